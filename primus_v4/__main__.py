@@ -1,0 +1,5 @@
+import sys
+
+from primus_v4.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per CLI subcommand, each with `add_arguments(parser)` and `run(args) -> int`."""

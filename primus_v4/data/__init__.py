@@ -1,0 +1,1 @@
+"""Corpus -> tokens -> packs (THD rows) -> node-local cache -> batches."""

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command: makes .venv (torch 2.13.0 CPU first), installs the package with its test
+# extra, lints (ruff, shellcheck, hadolint) and runs the whole pytest suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e '.[test]'
+ruff check .
+ruff format --check .
+if compgen -G "run_scripts/*.sh" >/dev/null; then shellcheck run_scripts/*.sh tests/run.sh .ci/run; fi
+if [ -f Dockerfile ]; then hadolint Dockerfile; fi
+python -m pytest -q -p no:cacheprovider "$@"
