@@ -1,0 +1,1 @@
+"""Model definitions (the math); parallelism and kernels are passed in from outside."""

@@ -1,0 +1,136 @@
+"""DeepSeek-V4 model configuration: megatron-core `TransformerConfig` plus the V4-only fields.
+
+Inherited fields used by this model: num_layers, hidden_size, num_attention_heads, kv_channels
+(per-head dim, 512), num_query_groups (1: one shared KV latent), layernorm_epsilon,
+init_method_std, num_moe_experts, moe_router_topk, moe_ffn_hidden_size,
+moe_shared_expert_intermediate_size, moe_router_topk_scaling_factor, moe_aux_loss_coeff,
+mtp_num_layers, mtp_loss_scaling_factor. Presets live as YAML in configs/models/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+with warnings.catch_warnings():
+    # megatron-core warns at import that Transformer Engine / Apex are absent; the torch
+    # fallbacks are what we use on CPU and ROCm.
+    warnings.simplefilter("ignore")
+    from megatron.core.transformer import TransformerConfig
+
+from primus_v4.errors import ConfigError
+
+PRESET_DIR = Path(__file__).resolve().parents[3] / "configs" / "models"
+LAYER_KINDS = {0: "dense", 4: "csa", 128: "hca"}
+
+
+@dataclass(kw_only=True)
+class DeepseekV4Config(TransformerConfig):
+    """TransformerConfig + DeepSeek-V4 fields (each documented where declared)."""
+
+    vocab_size: int = 129280
+    """Embedding rows and LM-head columns (the DeepSeek-V4 tokenizer has 129280 ids)."""
+    q_lora_rank: int = 1024
+    """Query low-rank bottleneck: hidden -> q_lora_rank -> RMSNorm -> heads x kv_channels."""
+    o_groups: int = 8
+    """Groups of the grouped low-rank output projection (heads split evenly across groups)."""
+    o_lora_rank: int = 1024
+    """Per-group rank of the output projection (groups x rank -> hidden)."""
+    qk_pos_emb_head_dim: int = 64
+    """RoPE applies to the last this-many channels of each query head and of the KV latent."""
+    rotary_base: float = 10000.0
+    """RoPE theta for dense (ratio 0) layers; no YaRN there."""
+    compress_rope_theta: float = 40000.0
+    """RoPE theta for compressed (CSA/HCA) layers, with YaRN scaling below."""
+    rotary_scaling_factor: float = 4.0
+    """YaRN interpolation factor for compressed layers (1.0 disables YaRN)."""
+    original_max_position_embeddings: int = 65536
+    """YaRN: context length the base frequencies were trained for."""
+    beta_fast: float = 32.0
+    """YaRN: high-frequency ramp boundary (rotations per original context)."""
+    beta_slow: float = 1.0
+    """YaRN: low-frequency ramp boundary (rotations per original context)."""
+    compress_ratios: list[int] = field(default_factory=lambda: [0, 4, 128])
+    """Per decoder layer: 0 = dense sliding window, 4 = CSA, 128 = HCA."""
+    mtp_compress_ratio: int = 0
+    """Attention kind of each MTP depth's layer (0 = dense, 4 = CSA, 128 = HCA)."""
+    attn_sliding_window: int = 128
+    """A query sees itself and the previous window-1 rows of its own sample, in every layer."""
+    attn_sink: bool = True
+    """Learned per-head sink logit that joins every softmax."""
+    index_topk: int = 512
+    """CSA: compressed keys each query attends to, chosen by the lightning indexer."""
+    index_n_heads: int = 64
+    """Lightning indexer heads."""
+    index_head_dim: int = 128
+    """Lightning indexer head dim (also its compressor's output dim)."""
+    index_topk_chunk: int = 512
+    """Indexer scores are computed this many compressed keys at a time (running top-k)."""
+    hc_mult: int = 4
+    """mHC: number of residual streams."""
+    hc_sinkhorn_iters: int = 20
+    """mHC: Sinkhorn-Knopp iterations on the stream-mixing matrix."""
+    hc_eps: float = 1e-6
+    """mHC: epsilon added to the mixing weights."""
+    num_hash_layers: int = 3
+    """The first this-many decoder layers route experts by a fixed token-id hash table."""
+    hash_seed: int = 0
+    """Seed of the token-id -> experts hash table."""
+    swiglu_limit: float = 10.0
+    """Clamped SwiGLU: gate clamped above, up clamped to [-limit, limit]."""
+    ce_chunk_size: int = 4096
+    """Rows per chunk of the fused linear + cross-entropy (logits never materialized)."""
+    rope_dense_only_window: bool = False
+    """Reserved; kept False."""
+
+    def __post_init__(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            super().__post_init__()
+        if len(self.compress_ratios) != self.num_layers:
+            raise ConfigError(
+                f"compress_ratios has {len(self.compress_ratios)} entries but num_layers is "
+                f"{self.num_layers}; give one ratio per decoder layer"
+            )
+        for i, ratio in enumerate([*self.compress_ratios, self.mtp_compress_ratio]):
+            if ratio not in LAYER_KINDS:
+                raise ConfigError(f"compress ratio {ratio} (layer {i}) must be one of 0, 4, 128")
+        if self.num_query_groups not in (None, 1):
+            raise ConfigError("DeepSeek-V4 uses one shared KV latent: num_query_groups must be 1")
+        if self.num_attention_heads % self.o_groups:
+            raise ConfigError(
+                f"num_attention_heads {self.num_attention_heads} must divide into o_groups "
+                f"{self.o_groups}"
+            )
+        if self.qk_pos_emb_head_dim % 2 or self.qk_pos_emb_head_dim > self.kv_channels:
+            raise ConfigError("qk_pos_emb_head_dim must be even and at most kv_channels")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels
+
+    def layer_kind(self, layer: int) -> str:
+        return LAYER_KINDS[self.compress_ratios[layer]]
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> DeepseekV4Config:
+        """Load `configs/models/<name>.yaml`; keyword overrides win over the file."""
+        import yaml
+
+        path = PRESET_DIR / f"{name}.yaml"
+        if not path.exists():
+            known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+            raise ConfigError(f"unknown model preset {name!r}; known presets: {known}")
+        values = yaml.safe_load(path.read_text()) or {}
+        values.update(overrides)
+        return cls.from_dict(values, source=str(path))
+
+    @classmethod
+    def from_dict(cls, values: dict, *, source: str = "<dict>") -> DeepseekV4Config:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown model config keys {unknown}")
+        return cls(**values)
