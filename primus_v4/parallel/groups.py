@@ -1,0 +1,303 @@
+"""Parallel sizes, their validation, and the process groups of one rank.
+
+The rank layout is megatron-core's (`parallel_state.initialize_model_parallel`, order
+tp-cp-ep-dp-pp): neighbouring ranks share a CP group first, then DP, then PP. Experts are laid
+out as megatron does too: expert-DP x EP x ETP x PP covers the world, independent of CP, so an
+EP group folds over the DP x CP ranks of one pipeline stage.
+
+megatron-core 0.16's `initialize_model_parallel` only touches `torch.cuda` for SHARP and
+`update_pg_timeout`, neither of which we use, so it runs unchanged on CPU with gloo (checked by
+tests/distributed/test_dist_groups.py). We ask it not to create its duplicate gloo groups: we do
+not use megatron's distributed optimizer, the only consumer of those.
+
+The groups are handed to layers through `ParallelContext`; model code never calls
+`parallel_state.get_*` inside `forward`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from primus_v4.errors import ConfigError, PrimusError
+
+with warnings.catch_warnings():
+    # megatron-core warns at import that Transformer Engine / Apex are absent (not used here).
+    warnings.simplefilter("ignore")
+    from megatron.core import parallel_state as ps
+from primus_v4.log import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(kw_only=True)
+class ParallelDims:
+    """Sizes of every parallel axis; `dp` is derived as world / (pp x cp).
+
+    world: total number of ranks.
+    tp: tensor parallel; must be 1 (see `validate`).
+    pp: pipeline stages.
+    cp: context parallel (the pack split contiguously over cp ranks).
+    ep: expert parallel (experts sharded over ep ranks; folds over dp x cp).
+    etp: expert tensor parallel; must be 1 like tp.
+    """
+
+    world: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    dp: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+        self.dp = self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert shard: world / (ep x etp x pp), as megatron lays it out."""
+        return self.world // (self.ep * self.etp * self.pp)
+
+    def validate(self) -> None:
+        for name in ("world", "tp", "pp", "cp", "ep", "etp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if self.tp != 1 or self.etp != 1:
+            # The single shared KV latent, the indexer scores and the compressed pools have no
+            # head axis worth sharding: long context scales with CP and experts with EP.
+            raise ConfigError(
+                f"tensor parallelism is deliberately absent in primus_v4 (got tp={self.tp}, "
+                f"etp={self.etp}); use cp for long context and ep for experts, with tp=etp=1"
+            )
+        if self.world % (self.pp * self.cp):
+            raise ConfigError(
+                f"world size {self.world} is not divisible by pp x cp = {self.pp} x {self.cp} "
+                f"= {self.pp * self.cp}; data parallel size would not be an integer"
+            )
+        dp = self.world // (self.pp * self.cp)
+        if (dp * self.cp) % (self.ep * self.etp):
+            # Same condition as world % (ep x etp x pp) == 0: expert-DP x EP x ETP x PP must
+            # tile the world just as DP x CP x TP x PP does.
+            raise ConfigError(
+                f"ep={self.ep} must divide dp x cp = {dp} x {self.cp} = {dp * self.cp} "
+                f"(world {self.world} / pp {self.pp}); experts fold over the data and "
+                "context parallel ranks of one pipeline stage"
+            )
+
+    def check_model(
+        self,
+        *,
+        num_layers: int,
+        num_experts: int | None = None,
+        pp_layout: str | None = None,
+        mtp_num_layers: int = 0,
+    ) -> None:
+        """Model-dependent checks: layers per stage and experts per EP rank."""
+        from primus_v4.parallel.pipeline import plan_stages
+
+        plan_stages(
+            pp=self.pp, num_layers=num_layers, mtp_num_layers=mtp_num_layers, layout=pp_layout
+        )
+        if self.ep > 1 and not num_experts:
+            raise ConfigError(f"parallel.ep={self.ep} needs an MoE model (num_moe_experts unset)")
+        if num_experts and num_experts % self.ep:
+            raise ConfigError(
+                f"num_moe_experts {num_experts} is not divisible by ep {self.ep}; every EP rank "
+                f"must hold the same number of experts"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Axis:
+    """One parallel axis as seen by this rank: its group (None = this rank alone), rank in the
+    group, group size, and the global ranks of the group in group order."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def alone(cls, global_rank: int = 0) -> Axis:
+        return cls(group=None, rank=0, size=1, ranks=(global_rank,))
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> Axis:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return cls(group=group, rank=dist.get_rank(group), size=len(ranks), ranks=ranks)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelContext:
+    """Everything a layer needs to know about parallelism, passed explicitly.
+
+    An axis of size 1 may carry `group=None` (see `ParallelContext.single`); collectives over
+    such an axis are no-ops and layers should test `axis.size == 1` before communicating.
+    """
+
+    dims: ParallelDims
+    rank: int
+    device: torch.device
+    pp: Axis
+    cp: Axis
+    dp: Axis
+    dp_cp: Axis
+    ep: Axis
+    expert_dp: Axis
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> ParallelContext:
+        """One process, no torch.distributed needed (unit tests, tiny CPU runs)."""
+        alone = Axis.alone()
+        return cls(
+            dims=ParallelDims(world=1),
+            rank=0,
+            device=torch.device(device),
+            pp=alone,
+            cp=alone,
+            dp=alone,
+            dp_cp=alone,
+            ep=alone,
+            expert_dp=alone,
+        )
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.pp.group
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self.cp.group
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.dp.group
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
+        return self.dp_cp.group
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        return self.ep.group
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup | None:
+        return self.expert_dp.group
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}/{self.dims.world}: pp {self.pp.rank}/{self.pp.size} "
+            f"cp {self.cp.rank}/{self.cp.size} dp {self.dp.rank}/{self.dp.size} "
+            f"ep {self.ep.rank}/{self.ep.size} expert_dp {self.expert_dp.rank}/"
+            f"{self.expert_dp.size}"
+        )
+
+
+def default_backend() -> str:
+    # On ROCm builds torch.cuda is HIP and "nccl" selects RCCL.
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _ensure_process_group(world: int, backend: str, timeout: timedelta) -> None:
+    if dist.is_initialized():
+        if dist.get_world_size() != world:
+            raise PrimusError(
+                f"parallel.world={world} but torch.distributed was initialized with "
+                f"{dist.get_world_size()} ranks; launch with torchrun --nproc-per-node/--nnodes "
+                "matching the configured sizes"
+            )
+        return
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        # A single process needs no rendezvous; an in-memory store avoids picking a port.
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        return
+    launcher_vars = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    missing = [k for k in launcher_vars if k not in os.environ]
+    if missing:
+        raise PrimusError(
+            f"world size {world} needs a launcher: environment variables {missing} are unset "
+            "(start with torchrun)"
+        )
+    if int(os.environ["WORLD_SIZE"]) != world:
+        raise PrimusError(
+            f"parallel.world={world} but WORLD_SIZE={os.environ['WORLD_SIZE']} from the launcher"
+        )
+    dist.init_process_group(backend, timeout=timeout)
+
+
+def init_parallel(
+    dims: ParallelDims, backend: str | None = None, *, timeout_minutes: float = 30.0
+) -> ParallelContext:
+    """Initialize torch.distributed (if needed) and megatron's rank layout; return the groups.
+
+    Call `destroy_parallel()` before initializing a different layout in the same process.
+    """
+    backend = backend or default_backend()
+    timeout = timedelta(minutes=timeout_minutes)
+    device = torch.device("cpu")
+    if backend != "gloo" and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    _ensure_process_group(dims.world, backend, timeout)
+    if ps.model_parallel_is_initialized():
+        raise PrimusError(
+            "megatron parallel_state is already initialized in this process; call "
+            "primus_v4.parallel.groups.destroy_parallel() before init_parallel again"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=dims.tp,
+            pipeline_model_parallel_size=dims.pp,
+            context_parallel_size=dims.cp,
+            expert_model_parallel_size=dims.ep,
+            expert_tensor_parallel_size=dims.etp,
+            distributed_timeout_minutes=max(1, round(timeout_minutes)),
+            order="tp-cp-ep-dp-pp",
+            create_gloo_process_groups=False,
+        )
+    ctx = ParallelContext(
+        dims=dims,
+        rank=dist.get_rank(),
+        device=device,
+        pp=Axis.of(ps.get_pipeline_model_parallel_group()),
+        cp=Axis.of(ps.get_context_parallel_group()),
+        dp=Axis.of(ps.get_data_parallel_group()),
+        dp_cp=Axis.of(ps.get_data_parallel_group(with_context_parallel=True)),
+        ep=Axis.of(ps.get_expert_model_parallel_group()),
+        expert_dp=Axis.of(ps.get_expert_data_parallel_group()),
+    )
+    log.info("parallel layout (%s, backend %s): %s", _dims_str(dims), backend, ctx.describe())
+    return ctx
+
+
+def destroy_parallel(*, process_group: bool = False) -> None:
+    """Forget megatron's groups (and, if asked, the default process group)."""
+    ps.destroy_model_parallel()
+    if process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _dims_str(dims: ParallelDims) -> str:
+    return (
+        f"world {dims.world} = pp {dims.pp} x cp {dims.cp} x dp {dims.dp}; "
+        f"ep {dims.ep} x expert_dp {dims.expert_dp}"
+    )

@@ -1,0 +1,1 @@
+"""Training loop, loss, optimizer (with host offload), checkpoints, metrics."""

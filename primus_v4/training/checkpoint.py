@@ -1,0 +1,294 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): write to a temp dir, then publish.
+
+Layout under `checkpoint.dir`:
+    step_00000003/      a published checkpoint (DCP shards + .metadata + COMPLETE)
+    .tmp_step_00000006/ a save in progress (or one killed midway): never loaded
+    latest              text file naming the newest published step dir
+
+Publishing: every rank writes its shard into the temp dir (DCP fsyncs each file), all ranks
+meet at a barrier, then rank 0 writes COMPLETE (fsynced), renames the temp dir to its final name
+(atomic on one filesystem) and replaces `latest` via a temp file + os.replace. A process killed
+at any point leaves either no step dir or a complete one, so resume never sees a partial save.
+The directory must be on a filesystem every rank sees (shared storage for multi-node runs).
+
+Per-rank values (RNG states, data position) are stored under a `rank{r}` key, because DCP saves
+one copy of every key it believes replicated. Resume expects the same world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from primus_v4.errors import PrimusError
+from primus_v4.log import get_logger
+
+log = get_logger(__name__)
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_ok() -> Iterator[None]:
+    # Without a process group DCP warns that it assumes one process: exactly our intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, text: str) -> None:
+    """Write `text` to a temp file, fsync it, then os.replace it over `path`."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _train_state(
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    data: Stateful | None,
+) -> dict[str, Any]:
+    """The DCP state dict: model/optimizer keyed by parameter name, plus per-rank extras."""
+    with warnings.catch_warnings():
+        # DCP warns about features (e.g. sharded tensors) this code does not use.
+        warnings.simplefilter("ignore")
+        if optimizer is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+        else:
+            model_sd, optim_sd = get_state_dict(model, []), {}
+    per_rank: dict[str, Any] = {"rng": _rng_state()}
+    if data is not None:
+        per_rank["data"] = data.state_dict()
+    return {
+        "step": step,
+        "model": model_sd,
+        "optim": optim_sd,
+        "scheduler": scheduler.state_dict() if scheduler is not None else {},
+        f"rank{_rank()}": per_rank,
+    }
+
+
+def save(
+    root: str | Path,
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    data: Stateful | None = None,
+) -> Path:
+    """Save a checkpoint of `step` and publish it; collective over all ranks. Returns its dir."""
+    root = Path(root)
+    final, tmp = step_dir(root, step), root / f".tmp_step_{step:08d}"
+    start = time.perf_counter()
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a save that was killed midway
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+    state = _train_state(step, model, optimizer, scheduler, data)
+    with _single_process_ok():
+        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    # dcp.save returns on every rank after the coordinator wrote .metadata; the barrier makes
+    # sure no rank is still flushing before the checkpoint is declared complete.
+    _barrier()
+    if _rank() == 0:
+        _publish(root, tmp, final, step)
+    _barrier()
+    log.info("saved checkpoint %s (%.1f s)", final, time.perf_counter() - start)
+    return final
+
+
+def _publish(root: Path, tmp: Path, final: Path, step: int) -> None:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    _write_durable(tmp / COMPLETE, json.dumps({"step": step, "world_size": world}) + "\n")
+    _fsync_dir(tmp)
+    if final.exists():  # the same step saved again (e.g. a rerun without resume)
+        trash = root / f".trash_{final.name}_{os.getpid()}"
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_durable(root / LATEST, final.name + "\n")
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file() and (path / ".metadata").is_file()
+
+
+def find_latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint dir under `root` (the `latest` pointer if it is valid)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        newer = [p for p in root.glob("step_*") if p.name > named.name and _is_complete(p)]
+        if _is_complete(named) and not newer:
+            return named
+    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and _is_complete(p))
+    return complete[-1] if complete else None
+
+
+def _agreed_latest(root: str | Path) -> Path | None:
+    """Rank 0 decides which checkpoint to load so every rank loads the same one."""
+    found = [str(find_latest(root) or "")] if _rank() == 0 else [""]
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    return Path(found[0]) if found[0] else None
+
+
+def load_latest(
+    root: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    data: Stateful | None = None,
+) -> int | None:
+    """Load the newest complete checkpoint under `root` in place; its step, or None if none."""
+    path = _agreed_latest(root)
+    skipped = sorted(p.name for p in Path(root).glob(".tmp_step_*")) if Path(root).is_dir() else []
+    if skipped and _rank() == 0:
+        log.warning(
+            "ignoring incomplete checkpoint(s) %s in %s (a save did not finish)", skipped, root
+        )
+    if path is None:
+        log.info("no complete checkpoint in %s; starting from scratch", root)
+        return None
+    state = _train_state(0, model, optimizer, scheduler, data)
+    key = f"rank{_rank()}"
+    try:
+        with _single_process_ok():
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except Exception as err:  # DCP raises bare errors; name the checkpoint and the likely cause
+        raise PrimusError(
+            f"cannot load checkpoint {path} on rank {_rank()}: {err}. It was written by "
+            f"{_saved_world(path)} ranks; resume needs the same model and parallel layout"
+        ) from err
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        set_state_dict(
+            model,
+            optimizer if optimizer is not None else [],
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if data is not None:
+        data.load_state_dict(state[key]["data"])
+    _set_rng_state(state[key]["rng"])
+    step = int(state["step"])
+    log.info("resumed from checkpoint %s (step %d)", path, step)
+    return step
+
+
+def _saved_world(path: Path) -> str:
+    try:
+        return str(json.loads((path / COMPLETE).read_text())["world_size"])
+    except (OSError, ValueError, KeyError):
+        return "an unknown number of"
+
+
+class CheckpointManager:
+    """Interval saving + resume for a training loop.
+
+    interval: save when step % interval == 0 (0 = only the final save).
+    resume: `load_latest` returns None without looking when False.
+    """
+
+    def __init__(self, root: str | Path, *, interval: int, resume: bool = True) -> None:
+        if interval < 0:
+            raise PrimusError(f"checkpoint.interval must be >= 0, got {interval}")
+        self.root = Path(root)
+        self.interval = interval
+        self.resume = resume
+        self._last_saved: int | None = None
+
+    def maybe_save(self, step: int, *, final: bool = False, **state: Any) -> Path | None:
+        """Save after optimizer step `step` when due (or `final`); state = model=..., etc."""
+        due = final or (self.interval > 0 and step % self.interval == 0)
+        if not due or step == self._last_saved:
+            return None
+        self._last_saved = step
+        return save(self.root, step=step, **state)
+
+    def load_latest(self, **state: Any) -> int | None:
+        if not self.resume:
+            return None
+        step = load_latest(self.root, **state)
+        self._last_saved = step
+        return step

@@ -1,0 +1,132 @@
+"""Checkpoints: resumed == uninterrupted, and a save killed midway is never loaded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from primus_v4.training import checkpoint
+from primus_v4.training.checkpoint import CheckpointManager
+from primus_v4.training.optim import build_optimizer
+
+HERE = Path(__file__).resolve().parent
+
+
+class ToyData:
+    """A data stream whose position is part of the training state."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + self.position)
+        self.position += 1
+        return torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def make_state(seed: int = 0, offload: float = 0.5) -> dict:
+    torch.manual_seed(seed)
+    # Dropout makes the loss depend on the global RNG, which the checkpoint must restore.
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.LayerNorm(16), nn.Linear(16, 2))
+    opt, sched = build_optimizer(
+        model.named_parameters(),
+        lr=1e-2,
+        min_lr=1e-3,
+        warmup_steps=2,
+        total_steps=6,
+        weight_decay=0.1,
+        offload_fraction=offload,
+    )
+    return {"model": model, "optimizer": opt, "scheduler": sched, "data": ToyData()}
+
+
+def train(state: dict, start: int, stop: int, manager: CheckpointManager | None) -> list[float]:
+    losses = []
+    for step in range(start, stop):
+        x, y = state["data"].next()
+        loss = (state["model"](x) - y).pow(2).mean()
+        loss.backward()
+        state["optimizer"].step()
+        state["scheduler"].step()
+        state["optimizer"].zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if manager is not None:
+            manager.maybe_save(step + 1, final=step + 1 == stop, **state)
+    return losses
+
+
+def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    torch.manual_seed(123)
+    reference = train(make_state(), 0, 6, None)
+
+    torch.manual_seed(123)
+    first = train(make_state(), 0, 3, CheckpointManager(tmp_path, interval=3))
+    assert (tmp_path / "latest").read_text().strip() == "step_00000003"
+
+    torch.manual_seed(999)  # a fresh process: other weights, other RNG; all must be restored
+    state = make_state(seed=5, offload=0.0)  # resuming under another offload split is allowed
+    manager = CheckpointManager(tmp_path, interval=3)
+    assert manager.load_latest(**state) == 3
+    rest = train(state, 3, 6, manager)
+    assert first + rest == reference  # exact: same ops, same RNG, same data
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "step_00000003",
+        "step_00000006",
+    ]
+
+
+def test_no_checkpoint_and_resume_off(tmp_path: Path) -> None:
+    state = make_state()
+    assert CheckpointManager(tmp_path / "none", interval=1).load_latest(**state) is None
+    train(state, 0, 1, CheckpointManager(tmp_path, interval=1))
+    assert CheckpointManager(tmp_path, interval=1, resume=False).load_latest(**state) is None
+    assert checkpoint.find_latest(tmp_path) == tmp_path / "step_00000001"
+
+
+def save_then_die(root: str) -> None:
+    """Child process: complete save at 3, then a save at 6 that is SIGKILLed before publishing."""
+    torch.manual_seed(123)
+    state = make_state()
+    train(state, 0, 3, CheckpointManager(root, interval=3))
+
+    def killed(*args: object) -> None:  # all shards of step 6 are on disk, nothing published
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint._publish = killed
+    train(state, 3, 6, CheckpointManager(root, interval=3))
+
+
+def test_killed_save_is_ignored(tmp_path: Path) -> None:
+    code = (
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_checkpoint as t; "
+        f"t.save_then_die({str(tmp_path)!r})"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert (tmp_path / ".tmp_step_00000006" / ".metadata").is_file()
+    assert not (tmp_path / "step_00000006").exists()
+
+    torch.manual_seed(123)
+    reference = make_state()
+    train(reference, 0, 3, None)
+    state = make_state(seed=7)
+    assert CheckpointManager(tmp_path, interval=3).load_latest(**state) == 3
+    for a, b in zip(reference["model"].parameters(), state["model"].parameters(), strict=True):
+        assert torch.equal(a, b)
+    # The next save of step 6 replaces the leftover temp dir and publishes normally.
+    train(state, 3, 6, CheckpointManager(tmp_path, interval=3))
+    assert checkpoint.find_latest(tmp_path) == tmp_path / "step_00000006"
+    assert not (tmp_path / ".tmp_step_00000006").exists()
