@@ -11,6 +11,6 @@ python -m pip install -q torch==2.13.0
 python -m pip install -q -e '.[test]'
 ruff check .
 ruff format --check .
-if compgen -G "run_scripts/*.sh" >/dev/null; then shellcheck run_scripts/*.sh tests/run.sh .ci/run; fi
+if compgen -G "run_scripts/*.sh" >/dev/null; then shellcheck run_scripts/*.sh run_scripts/lib/*.sh tests/run.sh .ci/run; fi
 if [ -f Dockerfile ]; then hadolint Dockerfile; fi
 python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Full DeepSeek-V4-Flash SFT at 128k tokens per pack (thd), 3 nodes x 8 GPUs: TP1 PP3 CP8 EP8
+# (DP1; each CP rank holds 16384 rows of every pack), GBS 3 (one pack per pipeline stage),
+# optimizer offload 0.9, chunked LM head + cross-entropy. Sets the long-context knobs, then
+# execs run_full_4k_thd_multinode.sh (which execs the base).
+#
+#   MASTER_ADDR=<node 0 address> NODE_RANK=<0..2> bash run_scripts/run_full_128k_thd_multinode.sh
+#   DRY_RUN=1 MASTER_ADDR=x NODE_RANK=0 bash run_scripts/run_full_128k_thd_multinode.sh
+# How long: as the 4k recipes plus a longer pack build; the 128k step time is not measured yet.
+set -euo pipefail
+export PRIMUS_RECIPE="${PRIMUS_RECIPE:-$0}"
+
+export PRIMUS_SEQ_LENGTH="${PRIMUS_SEQ_LENGTH:-131072}"
+export PRIMUS_TP="${PRIMUS_TP:-1}"
+export PRIMUS_PP="${PRIMUS_PP:-3}"
+export PRIMUS_CP="${PRIMUS_CP:-8}"
+export PRIMUS_EP="${PRIMUS_EP:-8}"
+export PRIMUS_ETP="${PRIMUS_ETP:-1}"
+export MBS="${MBS:-1}"
+export GBS="${GBS:-3}"
+export PRIMUS_OPTIMIZER_OFFLOAD_FRACTION="${PRIMUS_OPTIMIZER_OFFLOAD_FRACTION:-0.9}"
+# Unchunked, a rank's 16384 rows x 129280 vocab of bf16 logits are 4.2 GB (plus the loss's
+# fp32 copy); chunks of FUSED_CE_CHUNK rows keep that at chunk x vocab.
+export FUSED_LINEAR_CE="${FUSED_LINEAR_CE:-1}"
+export FUSED_CE_CHUNK="${FUSED_CE_CHUNK:-4096}"
+export PRIMUS_EXP_NAME="${PRIMUS_EXP_NAME:-dsv4_flash_128k_thd_${NNODES:-3}node}"
+
+exec bash "$(dirname "${BASH_SOURCE[0]}")/run_full_4k_thd_multinode.sh" "$@"

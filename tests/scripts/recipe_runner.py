@@ -1,0 +1,65 @@
+"""Run a recipe from run_scripts/ in a clean environment and parse its DRY_RUN output."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "run_scripts"
+ALPACA_DEMO = REPO.parent / "shared" / "data" / "alpaca_en_demo.json"
+
+# Knob names the recipes read; stripped from the inherited environment so a developer's shell
+# cannot change what a test sees.
+_KNOB = re.compile(
+    r"^(PRIMUS_\w+|NNODES|NODE_RANK|MASTER_ADDR|MASTER_PORT|GPUS_PER_NODE|NPROC|MBS|GBS|"
+    r"TRAIN_STEPS|FUSED_\w+|V4_TOKENIZER|SOCKET_IFNAME|DRY_RUN|WORLD_SIZE|RANK|LOCAL_RANK)$"
+)
+
+
+@dataclass
+class RecipeRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def resolved(self) -> dict:
+        """The single-line JSON object (first stdout line)."""
+        assert self.returncode == 0, f"recipe failed:\n{self.stderr}"
+        lines = self.stdout.splitlines()
+        assert len(lines) == 2, f"expected JSON line + command line, got:\n{self.stdout}"
+        return json.loads(lines[0])
+
+    @property
+    def command(self) -> str:
+        return self.stdout.splitlines()[1]
+
+
+def run_recipe(script: str, tmp_path: Path, timeout: float = 120, **env: str) -> RecipeRun:
+    """`bash run_scripts/<script>` with DRY_RUN=1 (unless overridden) and node-local dirs in
+    tmp_path; the local corpus keeps the run offline."""
+    base = {k: v for k, v in os.environ.items() if not _KNOB.match(k)}
+    base.update(
+        DRY_RUN="1",
+        PRIMUS_PYTHON=os.environ.get("PRIMUS_PYTHON", sys.executable),
+        PRIMUS_DATA_PATH=str(ALPACA_DEMO),
+        PRIMUS_LOCAL_ROOT=str(tmp_path / "local"),
+        PRIMUS_OUTPUT_DIR=str(tmp_path / "out"),
+        PRIMUS_TOKENIZER_PROBE_DIRS=str(tmp_path / "no_tokenizer_here"),
+    )
+    base.update(env)
+    proc = subprocess.run(
+        ["bash", str(SCRIPTS / script)],
+        cwd=tmp_path,
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return RecipeRun(proc.returncode, proc.stdout, proc.stderr)

@@ -1,0 +1,108 @@
+"""The recipes resolve to the documented layouts (DRY_RUN=1 runs the trainer's own validation
+with the real world size) and fail early, with a clear message, on a bad rendezvous."""
+
+from __future__ import annotations
+
+import pytest
+from recipe_runner import run_recipe
+
+MULTINODE = {"MASTER_ADDR": "10.1.2.3", "NODE_RANK": "0"}
+MULTINODE_RECIPES = [
+    "run_full_4k_multinode.sh",
+    "run_full_4k_thd_multinode.sh",
+    "run_full_128k_thd_multinode.sh",
+]
+
+
+def _assert_flash_model(r: dict) -> None:
+    # Flash: 43 layers (2 dense, then CSA/HCA alternating) + 1 MTP depth.
+    assert r["num_layers"] == 43
+    assert len(r["compress_ratios"]) == 43 and r["compress_ratios"][:2] == [0, 0]
+    assert r["mtp_num_layers"] == 1
+
+
+def test_full_4k_thd(tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    run = run_recipe(
+        "run_full_4k_thd_multinode.sh",
+        tmp_path,
+        **MULTINODE,
+        PRIMUS_TOKENIZER_PROBE_DIRS=f"{tmp_path}/missing:{tok}",
+    )
+    r = run.resolved
+    assert (r["seq_length"], r["tp"], r["pp"], r["cp"], r["ep"], r["etp"]) == (4096, 1, 3, 1, 8, 1)
+    assert (r["nnodes"], r["gpus_per_node"], r["dp"]) == (3, 8, 8)
+    assert r["optimizer_offload_fraction"] == 0.75
+    assert r["packed"] is True and r["micro_batch_size"] == 1
+    assert r["fused_linear_ce"] is False
+    _assert_flash_model(r)
+    # Pack cache and lock dirs are node-local (under PRIMUS_LOCAL_ROOT), not the shared output.
+    assert r["pack_cache_dir"].startswith(f"{tmp_path}/local/")
+    assert r["pack_lock_dir"].startswith(f"{tmp_path}/local/")
+    assert r["tokenizer"] == str(tok)
+    assert run.command.startswith("torchrun --nnodes 3 --node_rank 0 --nproc_per_node 8 ")
+    assert " -m primus_v4 train --config " in run.command
+    assert f"--set data.tokenizer={tok}" in run.command
+
+
+def test_full_128k_thd(tmp_path):
+    r = run_recipe("run_full_128k_thd_multinode.sh", tmp_path, **MULTINODE).resolved
+    assert (r["seq_length"], r["tp"], r["pp"], r["cp"], r["ep"]) == (131072, 1, 3, 8, 8)
+    assert (r["global_batch_size"], r["micro_batch_size"], r["dp"]) == (3, 1, 1)
+    assert r["optimizer_offload_fraction"] == 0.9
+    assert r["fused_linear_ce"] is True
+    assert r["packed"] is True
+    _assert_flash_model(r)
+
+
+def test_base_4k_is_not_packed(tmp_path):
+    r = run_recipe("run_full_4k_multinode.sh", tmp_path, **MULTINODE).resolved
+    assert r["packed"] is False and r["layout"] == "bshd"
+    assert (r["seq_length"], r["pp"], r["cp"], r["ep"]) == (4096, 3, 1, 8)
+    assert r["optimizer_offload_fraction"] == 0.75
+
+
+def test_callers_environment_wins(tmp_path):
+    r = run_recipe("run_full_4k_thd_multinode.sh", tmp_path, **MULTINODE, PRIMUS_CP="4").resolved
+    assert (r["cp"], r["dp"]) == (4, 2)  # 24 ranks = PP3 x CP4 x DP2
+
+
+def test_single_node_3layer_128k(tmp_path):
+    r = run_recipe("run_128k_thd_packed.sh", tmp_path).resolved
+    assert (r["nnodes"], r["gpus_per_node"]) == (1, 8)
+    assert (r["seq_length"], r["tp"], r["pp"], r["cp"], r["ep"]) == (131072, 1, 1, 8, 8)
+    assert r["num_layers"] == 3 and sorted(r["compress_ratios"]) == [0, 4, 128]
+    assert r["packed"] is True and r["fused_linear_ce"] is True
+
+
+def test_impossible_layout_fails_in_dry_run(tmp_path):
+    # 24 ranks cannot hold PP3 x CP5; the trainer's validation must reject it before launch.
+    run = run_recipe("run_full_4k_thd_multinode.sh", tmp_path, **MULTINODE, PRIMUS_CP="5")
+    assert run.returncode != 0
+    assert "config validation failed" in run.stderr
+    assert "parallel.cp=5" in run.stderr, run.stderr  # the trainer's own message is shown
+    assert run.stdout == ""
+
+
+@pytest.mark.parametrize("script", MULTINODE_RECIPES)
+def test_multinode_without_master_addr_fails_clearly(tmp_path, script):
+    run = run_recipe(script, tmp_path, NODE_RANK="0")
+    assert run.returncode != 0
+    assert "MASTER_ADDR is not set" in run.stderr, run.stderr
+    run = run_recipe(script, tmp_path, MASTER_ADDR="10.1.2.3")
+    assert run.returncode != 0
+    assert "NODE_RANK is not set" in run.stderr, run.stderr
+
+
+def test_explicit_tokenizer_without_tokenizer_json_fails(tmp_path):
+    run = run_recipe("run_full_4k_thd_multinode.sh", tmp_path, **MULTINODE, V4_TOKENIZER="/nope")
+    assert run.returncode != 0 and "has no tokenizer.json" in run.stderr
+
+
+def test_bundled_tokenizer_can_be_refused(tmp_path):
+    run = run_recipe(
+        "run_full_4k_thd_multinode.sh", tmp_path, **MULTINODE, PRIMUS_ALLOW_BUNDLED_TOKENIZER="0"
+    )
+    assert run.returncode != 0 and "no tokenizer.json in V4_TOKENIZER" in run.stderr
