@@ -54,7 +54,9 @@ class ThdBatch:
             raise ValueError("ThdBatch.position_ids must restart at 0 at every cu_seqlens start")
         ends = cu[1:].long() - 1
         if bool((self.loss_mask_S[ends] != 0).any()):
-            raise ValueError("ThdBatch: the last token of a segment is supervised but has no target")
+            raise ValueError(
+                "ThdBatch: the last token of a segment is supervised but has no target"
+            )
 
     @property
     def seq_length(self) -> int:

@@ -1,0 +1,119 @@
+"""`primus-v4 inspect <view>`: read-only views. Each view registers in `VIEWS` with its own
+`add_arguments(parser)` and `run(args) -> int`; add a view (model, config, ...) by adding an entry.
+Views import what they need inside `run`, so listing a cache never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+
+def _cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "dir",
+        nargs="?",
+        default=None,
+        help="pack cache dir (default $PRIMUS_PACK_CACHE_DIR or $TMPDIR/primus_v4-UID/packs)",
+    )
+    parser.add_argument(
+        "--verify", action="store_true", help="check every file against its manifest sha256"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per entry")
+
+
+def _cache_run(args: argparse.Namespace) -> int:
+    from primus_v4.data import cache
+    from primus_v4.errors import DataError
+
+    root = Path(args.dir).expanduser() if args.dir else cache.default_cache_dir()
+    if not root.is_dir():
+        raise DataError(f"pack cache dir {root} does not exist")
+    entries = []
+    for path in sorted(root.iterdir()):
+        if not path.is_dir():
+            continue
+        if path.name.startswith(".tmp-pack-"):
+            entries.append({"entry": path.name, "status": "incomplete (temp of a build)"})
+            continue
+        if not path.name.startswith("pack-"):
+            continue
+        entries.append(_describe(path, verify=args.verify))
+    if args.json:
+        for item in entries:
+            print(json.dumps(item))
+        return 0
+    print(f"{root}: {sum(1 for e in entries if 'key' in e)} pack cache entries")
+    for item in entries:
+        if "key" not in item:
+            print(f"  {item['entry']}: {item['status']}")
+            continue
+        print(
+            f"  {item['key']}  {item['status']:<10} {item['bytes'] / 2**20:8.1f} MiB  "
+            f"seq={item['seq_length']} {item['algorithm']} packs={item['num_packs']} "
+            f"samples={item['num_samples']} real={100 * item['real_fraction']:.1f}% "
+            f"supervised={100 * item['supervised_fraction']:.1f}%  data={item['data']}"
+        )
+    return 0
+
+
+def _describe(path: Path, *, verify: bool) -> dict:
+    from primus_v4.data import cache
+
+    key = path.name.removeprefix("pack-")
+    try:
+        manifest = cache.read_manifest(path)
+    except (OSError, ValueError) as exc:
+        return {"entry": path.name, "status": f"invalid: no readable manifest ({exc})"}
+    status = "ok" if not verify else "verified"
+    if verify:
+        try:
+            cache.verify(path, key)
+        except cache.CacheInvalid as exc:
+            status = f"CORRUPT ({exc})"
+    stats = manifest.get("stats", {})
+    fields = manifest.get("key_fields", {})
+    return {
+        "key": key,
+        "status": status,
+        "bytes": cache.dir_bytes(path),
+        "data": manifest.get("data"),
+        "seq_length": manifest.get("seq_length"),
+        "algorithm": fields.get("algorithm"),
+        "key_fields": fields,
+        **{
+            k: stats.get(k)
+            for k in (
+                "num_samples",
+                "num_packs",
+                "real_tokens",
+                "supervised_tokens",
+                "real_fraction",
+                "supervised_fraction",
+                "truncated",
+                "dropped",
+                "bad_rows",
+            )
+        },
+    }
+
+
+# view name -> (help, add_arguments, run)
+VIEWS: dict[
+    str,
+    tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]],
+] = {
+    "cache": ("list pack cache entries: key, stats, size", _cache_arguments, _cache_run),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    views = parser.add_subparsers(dest="view", required=True, metavar="{" + ",".join(VIEWS) + "}")
+    for name, (help_text, add, _) in VIEWS.items():
+        add(views.add_parser(name, help=help_text, description=help_text))
+
+
+def run(args: argparse.Namespace) -> int:
+    return VIEWS[args.view][2](args)

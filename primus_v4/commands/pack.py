@@ -1,0 +1,119 @@
+"""`primus-v4 pack`: tokenize a corpus, pack it into THD rows, cache it node-locally, report stats.
+
+Imports stay inside `run` so that `primus-v4 pack` on a cache hit never imports torch (and
+`datasets` only when a hub corpus is built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="corpus: a .json/.jsonl/.parquet file, a hub dataset name[@revision], or "
+        "synthetic[:rows=N,seed=S] (the embedded Alpaca-like corpus)",
+    )
+    parser.add_argument("--format", default="auto", choices=("alpaca", "messages", "auto"))
+    parser.add_argument("--seq-length", type=int, required=True, help="tokens per pack")
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="node-local cache dir (default $PRIMUS_PACK_CACHE_DIR or $TMPDIR/primus_v4-UID/packs)",
+    )
+    parser.add_argument("--algorithm", default="ffd", choices=("ffd", "bfd"))
+    parser.add_argument("--overlong", default="truncate", choices=("truncate", "drop"))
+    parser.add_argument(
+        "--tokenizer", default=None, help="dir with tokenizer.json (default: DeepSeek-V4's)"
+    )
+    parser.add_argument("--stats-json", type=Path, default=None, help="write the stats here")
+    parser.add_argument(
+        "--export-jsonl", type=Path, default=None, help="write one pack per line (integer lists)"
+    )
+    parser.add_argument(
+        "--strict", action="store_true", help="a bad row is an error naming its file and line"
+    )
+    parser.add_argument(
+        "--lock-dir",
+        default=None,
+        help="node-local lock dir (default $PRIMUS_PACK_LOCK_DIR or $TMPDIR/primus_v4-UID/locks)",
+    )
+    parser.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for another process building the same packs (default 600)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items()) or "none"
+    return str(value)
+
+
+def summary_table(stats: dict[str, Any]) -> str:
+    rows = [
+        ("cache", f"{'hit' if stats['cache_hit'] else 'built'}  key={stats['cache_key']}"),
+        ("cache dir", stats.get("cache_dir", "")),
+        ("format", stats.get("format", "")),
+        ("rows read", stats.get("num_rows", "")),
+        ("bad rows", _fmt(stats["bad_rows"])),
+        ("samples", stats["num_samples"]),
+        ("truncated / dropped", f"{stats['truncated']} / {stats['dropped']}"),
+        ("packs (lower bound)", f"{stats['num_packs']} ({stats.get('lower_bound_packs', '?')})"),
+        (
+            "samples per pack",
+            f"{stats.get('samples_per_pack_mean', 0):.2f} mean, "
+            f"{stats.get('samples_per_pack_min', 0)}-{stats.get('samples_per_pack_max', 0)}",
+        ),
+        ("total tokens", stats["total_tokens"]),
+        ("real tokens", f"{stats['real_tokens']} ({100 * stats['real_fraction']:.2f}%)"),
+        (
+            "supervised tokens",
+            f"{stats['supervised_tokens']} ({100 * stats['supervised_fraction']:.2f}%)",
+        ),
+        ("packs w/o 128-token sample", stats.get("packs_without_128_window", "")),
+        ("build / load seconds", f"{stats['build_seconds']:.2f} / {stats['load_seconds']:.2f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    from primus_v4.data.pipeline import PackSpec, build_or_load
+    from primus_v4.errors import DataError
+
+    spec = PackSpec(
+        data=args.data,
+        format=args.format,
+        seq_length=args.seq_length,
+        algorithm=args.algorithm,
+        overlong=args.overlong,
+        tokenizer=args.tokenizer,
+        strict=args.strict,
+        cache_dir=args.cache_dir,
+        lock_dir=args.lock_dir,
+        lock_timeout_s=args.lock_timeout,
+    )
+    corpus = build_or_load(spec, progress=not args.no_progress)
+    try:
+        if args.stats_json is not None:
+            args.stats_json.parent.mkdir(parents=True, exist_ok=True)
+            args.stats_json.write_text(json.dumps(corpus.stats, indent=2) + "\n")
+        if args.export_jsonl is not None:
+            args.export_jsonl.parent.mkdir(parents=True, exist_ok=True)
+            corpus.export_jsonl(args.export_jsonl)
+    except OSError as exc:
+        raise DataError(f"cannot write {exc.filename}: {exc.strerror}") from exc
+    print(f"primus-v4 pack: {args.data} at seq_length {args.seq_length} ({args.algorithm})")
+    print(summary_table(corpus.stats))
+    return 0

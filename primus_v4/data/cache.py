@@ -1,0 +1,246 @@
+"""Node-local pack cache: content key, atomic publish, checksummed manifest, one builder per node.
+
+Layout of one entry, `<cache_dir>/pack-<key>/`:
+    tokens.npy          uint32 [T]    every kept sample's tokens, in pack order
+    supervised.npy      uint8         np.packbits of the per-token "is a target" flag [T]
+    sample_offsets.npy  int64 [N+1]   token offset of each sample (pack order)
+    pack_offsets.npy    int64 [P+1]   sample offset of each pack
+    sample_rows.npy     int64 [N]     source row of each sample (for export and checks)
+    manifest.json       key, key fields, stats, size + sha256 of every file (written last)
+
+An entry is written into `.tmp-pack-<key>-<host>-<pid>/`, fsynced, then renamed into place in one
+step: a reader never sees a partial entry and a killed writer leaves only its temp dir (removed by
+the next builder on that host). A manifest that does not match the files (truncation, bit rot,
+an interrupted copy) makes the entry invalid; the caller rebuilds it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from primus_v4.errors import DataError
+from primus_v4.log import get_logger
+
+log = get_logger(__name__)
+
+# Part of the key: bump when the on-disk layout or the meaning of any array changes.
+FORMAT_VERSION = "primus_v4.pack/1"
+MANIFEST = "manifest.json"
+ARRAY_FILES = ("tokens", "supervised", "sample_offsets", "pack_offsets", "sample_rows")
+
+
+class CacheInvalid(Exception):
+    """An entry exists but cannot be trusted (the message says why); it is rebuilt."""
+
+
+def _node_local_root() -> Path:
+    # Per user, on this node: home directories are often NFS (locks go stale across nodes there)
+    # and a fixed name under /tmp would be shared between users.
+    return Path(os.environ.get("TMPDIR") or "/tmp") / f"primus_v4-{os.getuid()}"
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("PRIMUS_PACK_CACHE_DIR")
+    return Path(env).expanduser() if env else _node_local_root() / "packs"
+
+
+def default_lock_dir() -> Path:
+    env = os.environ.get("PRIMUS_PACK_LOCK_DIR")
+    return Path(env).expanduser() if env else _node_local_root() / "locks"
+
+
+def cache_key(fields: dict[str, Any]) -> str:
+    """sha256 over the canonical JSON of everything that changes pack content (first 20 hex)."""
+    blob = json.dumps({"format_version": FORMAT_VERSION, **fields}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def entry_dir(cache_dir: Path, key: str) -> Path:
+    return cache_dir / f"pack-{key}"
+
+
+def lock_path(lock_dir: Path, cache_dir: Path, key: str) -> Path:
+    # The cache dir is part of the name so unrelated cache dirs never wait on each other.
+    where = hashlib.sha256(str(cache_dir.resolve()).encode()).hexdigest()[:8]
+    return lock_dir / f"pack-{key}-{where}.lock"
+
+
+def _host() -> str:
+    return socket.gethostname().replace("/", "_").replace("-", "_") or "host"
+
+
+def _temp_prefix(key: str) -> str:
+    return f".tmp-pack-{key}-"
+
+
+@contextmanager
+def node_lock(path: Path, *, timeout_s: float, key: str) -> Iterator[None]:
+    """Hold the node-local build lock for `key`; a bounded wait with an actionable error."""
+    from filelock import FileLock, Timeout
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(
+            f"cannot create the pack lock dir {path.parent}: {exc}; set PRIMUS_PACK_LOCK_DIR "
+            "to a writable node-local directory"
+        ) from exc
+    lock = FileLock(str(path), timeout=timeout_s)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise DataError(
+            f"waited {timeout_s:g} s for the pack cache lock {path} (another process on this "
+            f"node is building key {key}). Let it finish and retry, pre-build with `primus-v4 "
+            "pack`, or raise the lock timeout (it must stay below the collective timeout)"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_array(path: Path, array: np.ndarray) -> dict[str, Any]:
+    with path.open("wb") as f:
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def remove_stale_temps(cache_dir: Path, key: str) -> None:
+    """Remove temp dirs left by dead builders of `key` on this host (others may be alive)."""
+    prefix = f"{_temp_prefix(key)}{_host()}-"
+    for temp in cache_dir.glob(f"{prefix}*"):
+        pid = temp.name[len(prefix) :]
+        if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+            continue
+        log.info("removing %s left by an interrupted build", temp)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def discard(entry: Path) -> None:
+    """Move an invalid entry out of the way (atomically), then delete it."""
+    if not entry.exists():
+        return
+    trash = entry.with_name(f".trash-{entry.name}-{_host()}-{os.getpid()}")
+    os.replace(entry, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def publish(
+    cache_dir: Path, key: str, arrays: dict[str, np.ndarray], manifest: dict[str, Any]
+) -> Path:
+    """Write arrays + manifest to a unique temp dir, fsync, rename into place; return the entry."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create the pack cache dir {cache_dir}: {exc}") from exc
+    temp = cache_dir / f"{_temp_prefix(key)}{_host()}-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    try:
+        files = {name: _write_array(temp / f"{name}.npy", arrays[name]) for name in ARRAY_FILES}
+        body = json.dumps({**manifest, "key": key, "files": files}, indent=2, sort_keys=True)
+        with (temp / MANIFEST).open("w", encoding="utf-8") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(temp)
+        final = entry_dir(cache_dir, key)
+        try:
+            os.rename(temp, final)
+        except OSError as exc:
+            # Another host sharing this dir published first (node-local locks cannot see it).
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            try:
+                verify(final, key)
+                log.info("cache entry %s appeared during the build; using it", final)
+                shutil.rmtree(temp, ignore_errors=True)
+                return final
+            except CacheInvalid:
+                discard(final)
+                os.rename(temp, final)
+        _fsync_dir(cache_dir)
+    except OSError as exc:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise DataError(f"cannot write the pack cache under {cache_dir}: {exc}") from exc
+    return final
+
+
+def read_manifest(entry: Path) -> dict[str, Any]:
+    return json.loads((entry / MANIFEST).read_text(encoding="utf-8"))
+
+
+def verify(entry: Path, key: str) -> dict[str, Any]:
+    """The entry's manifest if every file matches its recorded size and sha256."""
+    try:
+        manifest = read_manifest(entry)
+    except FileNotFoundError:
+        raise CacheInvalid(f"{entry} has no {MANIFEST}") from None
+    except (OSError, ValueError) as exc:
+        raise CacheInvalid(f"{entry / MANIFEST} is unreadable: {exc}") from None
+    if manifest.get("key") != key or manifest.get("format_version") != FORMAT_VERSION:
+        raise CacheInvalid(f"{entry}: manifest key/version does not match {key}/{FORMAT_VERSION}")
+    for name in ARRAY_FILES:
+        path = entry / f"{name}.npy"
+        expected = manifest.get("files", {}).get(name, {})
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise CacheInvalid(f"{path} is missing") from None
+        if size != expected.get("bytes"):
+            raise CacheInvalid(f"{path}: {size} bytes, manifest says {expected.get('bytes')}")
+        if _sha256(path) != expected.get("sha256"):
+            raise CacheInvalid(f"{path}: sha256 does not match the manifest")
+    return manifest
+
+
+def map_arrays(entry: Path) -> dict[str, np.ndarray]:
+    """Memory-map the entry's arrays read-only (pages load on first touch)."""
+    return {
+        name: np.load(entry / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+        for name in ARRAY_FILES
+    }
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -1,0 +1,206 @@
+"""Corpus sources: the embedded synthetic corpus, a local .json/.jsonl/.parquet file, or a hub name.
+
+A source has a fingerprint computed without reading rows (file size + sha256 of the bytes, or
+the hub name + revision), so a cache hit needs neither `datasets` nor a parse of the corpus.
+Rows come back as `RawRow`s that remember where they came from (file and line, or row number),
+so a bad row can be reported precisely.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from primus_v4.data.tokenizer import file_sha256
+from primus_v4.errors import DataError
+
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
+SYNTHETIC_DEFAULT_ROWS = 2000
+SYNTHETIC_DEFAULT_SEED = 0
+
+# Marks a line that did not parse as JSON; such a row is counted as bad ("not_json").
+NOT_JSON = object()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RawRow:
+    where: str  # e.g. "data.jsonl line 12" or "data.json row 3" (1-based), for messages
+    value: Any  # the parsed row (normally a dict), or NOT_JSON
+    error: str = ""  # the JSON parser's message when value is NOT_JSON
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorpusSource:
+    kind: Literal["synthetic", "file", "hub"]
+    name: str  # file path, hub dataset name, or "synthetic"
+    revision: str | None = None  # hub revision (branch, tag or commit)
+    rows: int = SYNTHETIC_DEFAULT_ROWS  # synthetic only
+    seed: int = SYNTHETIC_DEFAULT_SEED  # synthetic only
+
+    @property
+    def path(self) -> Path:
+        return Path(self.name)
+
+    def fingerprint(self) -> str:
+        """What identifies the corpus content in the cache key (no row is parsed)."""
+        if self.kind == "synthetic":
+            from primus_v4.data.synthetic import GENERATOR_VERSION
+
+            return f"synthetic:{GENERATOR_VERSION}:rows={self.rows}:seed={self.seed}"
+        if self.kind == "file":
+            # Content, not path: the same file copied elsewhere shares its cache.
+            try:
+                return f"file:{self.path.stat().st_size}:{file_sha256(self.path)}"
+            except OSError as exc:
+                raise DataError(f"cannot read corpus {self.path}: {exc.strerror}") from exc
+        # Offline we cannot resolve a moving branch to a commit; pin `name@commit` for a key
+        # that can never alias two different snapshots.
+        return f"hub:{self.name}@{self.revision or 'main'}"
+
+    def describe(self) -> str:
+        if self.kind == "synthetic":
+            return f"synthetic(rows={self.rows}, seed={self.seed})"
+        if self.kind == "hub":
+            return f"hub dataset {self.name}" + (f"@{self.revision}" if self.revision else "")
+        return str(self.path)
+
+
+def _parse_synthetic(data: str) -> CorpusSource:
+    rows, seed = SYNTHETIC_DEFAULT_ROWS, SYNTHETIC_DEFAULT_SEED
+    _, _, options = data.partition(":")
+    for item in filter(None, (part.strip() for part in options.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("rows", "seed") or not value.strip().lstrip("-").isdigit():
+            raise DataError(
+                f"bad synthetic corpus option {item!r} in --data {data!r}: expected "
+                "synthetic[:rows=N,seed=S] with integers"
+            )
+        if key == "rows":
+            rows = int(value)
+        else:
+            seed = int(value)
+    if rows < 1:
+        raise DataError(f"--data {data!r}: rows must be >= 1")
+    return CorpusSource(kind="synthetic", name="synthetic", rows=rows, seed=seed)
+
+
+def _looks_like_path(data: str) -> bool:
+    return (
+        data.startswith(("/", "./", "../", "~"))
+        or data.lower().endswith(LOCAL_SUFFIXES)
+        or data.count("/") > 1
+    )
+
+
+def resolve_source(data: str) -> CorpusSource:
+    """`synthetic[:rows=N,seed=S]`, an existing local file, or a hub name `owner/name[@rev]`."""
+    data = data.strip()
+    if not data:
+        raise DataError(
+            "--data is empty: pass a .json/.jsonl/.parquet file, a hub name or synthetic"
+        )
+    if data == "synthetic" or data.startswith("synthetic:"):
+        return _parse_synthetic(data)
+    path = Path(data).expanduser()
+    if path.exists():
+        if path.is_dir():
+            raise DataError(
+                f"corpus {path} is a directory: pass one .json, .jsonl or .parquet file"
+            )
+        if path.suffix.lower() not in LOCAL_SUFFIXES:
+            raise DataError(
+                f"corpus {path}: unsupported file type {path.suffix!r} "
+                f"(expected one of {', '.join(LOCAL_SUFFIXES)})"
+            )
+        return CorpusSource(kind="file", name=str(path))
+    if _looks_like_path(data):
+        raise DataError(f"corpus file {path} does not exist")
+    name, _, revision = data.partition("@")
+    return CorpusSource(kind="hub", name=name, revision=revision or None)
+
+
+def _iter_json_lines(path: Path, text: str) -> Iterator[RawRow]:
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue  # blank lines carry no row; not worth a "bad row" count
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            yield RawRow(where=f"{path} line {lineno}", value=NOT_JSON, error=exc.msg)
+            continue
+        yield RawRow(where=f"{path} line {lineno}", value=value)
+
+
+def _read_json_file(path: Path) -> Iterator[RawRow]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read corpus {path}: {exc}") from exc
+    if path.suffix.lower() == ".jsonl":
+        yield from _iter_json_lines(path, text)
+        return
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        # Many ".json" corpora are really JSON Lines; one object per line is the tell.
+        if text.lstrip().startswith("{"):
+            yield from _iter_json_lines(path, text)
+            return
+        raise DataError(
+            f"corpus {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+            f"{exc.msg}); expected a list of rows or JSON Lines"
+        ) from exc
+    if isinstance(value, dict):
+        value = [value]  # a single-row file
+    if not isinstance(value, list):
+        raise DataError(f"corpus {path}: expected a JSON list of rows, got {type(value).__name__}")
+    for i, row in enumerate(value, start=1):
+        yield RawRow(where=f"{path} row {i}", value=row)
+
+
+def _read_parquet(path: Path) -> Iterator[RawRow]:
+    # pyarrow is the engine `datasets` itself uses; reading it directly avoids datasets' import
+    # cost and its Arrow cache copy in ~/.cache.
+    try:
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises ArrowInvalid / OSError variants
+        raise DataError(f"cannot read parquet corpus {path}: {exc}") from exc
+    for i, row in enumerate(rows, start=1):
+        yield RawRow(where=f"{path} row {i}", value=row)
+
+
+def _read_hub(source: CorpusSource) -> Iterator[RawRow]:
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(source.name, revision=source.revision, split="train")
+    except Exception as exc:  # network, auth and not-found errors all land here
+        raise DataError(
+            f"cannot load hub dataset {source.name!r} ({type(exc).__name__}: {exc}). Offline or "
+            "misspelled? Pass a local .json/.jsonl/.parquet file, or --data synthetic"
+        ) from exc
+    for i, row in enumerate(ds, start=1):
+        yield RawRow(where=f"hub dataset {source.name} row {i}", value=row)
+
+
+def read_rows(source: CorpusSource) -> list[RawRow]:
+    """All rows of the source; raises DataError when the source is unreadable or empty."""
+    if source.kind == "synthetic":
+        from primus_v4.data.synthetic import synthetic_rows
+
+        values = synthetic_rows(rows=source.rows, seed=source.seed)
+        rows = [RawRow(where=f"synthetic row {i}", value=v) for i, v in enumerate(values, 1)]
+    elif source.kind == "hub":
+        rows = list(_read_hub(source))
+    elif source.path.suffix.lower() == ".parquet":
+        rows = list(_read_parquet(source.path))
+    else:
+        rows = list(_read_json_file(source.path))
+    if not rows:
+        raise DataError(f"corpus {source.describe()} is empty (no rows)")
+    return rows

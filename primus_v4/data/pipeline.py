@@ -1,0 +1,334 @@
+"""Corpus -> packs -> node-local cache, in one call: `build_or_load(PackSpec(...))`.
+
+Every process calls build_or_load. A valid cache entry is memory-mapped without locking (entries
+are published by atomic rename, so a visible entry is complete). Otherwise the process takes the
+node-local lock for the key: the first one builds and publishes, the others wait, then find the
+entry and load it. Nothing here imports torch; `datasets` is imported only to build from a hub.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from primus_v4.data import cache
+from primus_v4.data.corpus import CorpusSource, read_rows, resolve_source
+from primus_v4.data.loader import PackedCorpus
+from primus_v4.data.packing import ALGORITHMS, pack, segment_cap
+from primus_v4.data.templates import FORMATS, TEMPLATE_ID, Rendered, render
+from primus_v4.data.tokenizer import (
+    TextTokenizer,
+    load_tokenizer,
+    resolve_tokenizer_dir,
+    tokenizer_identity,
+)
+from primus_v4.errors import DataError
+from primus_v4.log import get_logger
+
+log = get_logger(__name__)
+
+OVERLONG = ("truncate", "drop")
+# The stats contract of `primus-v4 pack --stats-json`, in this order; details follow them.
+STATS_KEYS = (
+    "cache_key",
+    "cache_hit",
+    "num_samples",
+    "num_packs",
+    "total_tokens",
+    "real_tokens",
+    "supervised_tokens",
+    "real_fraction",
+    "supervised_fraction",
+    "truncated",
+    "dropped",
+    "bad_rows",
+    "build_seconds",
+)
+# A pack "has an HCA window" when one of its samples spans a full 128-token compression window.
+HCA_WINDOW = 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackSpec:
+    """What to pack and where to cache it. Only the first seven fields change pack content."""
+
+    data: str = "synthetic"  # "synthetic[:rows=N,seed=S]", a .json/.jsonl/.parquet path, a hub name
+    format: str = "auto"  # alpaca | messages | auto (detected from the first rows' keys)
+    seq_length: int = 4096  # tokens per pack
+    algorithm: str = "ffd"  # ffd | bfd
+    overlong: str = "truncate"  # samples longer than seq_length: truncate | drop
+    tokenizer: str | Path | None = None  # dir with tokenizer.json; None = DeepSeek-V4's
+    strict: bool = False  # bad rows raise DataError (file + line) instead of being counted
+    cache_dir: str | Path | None = None  # None = $PRIMUS_PACK_CACHE_DIR or node-local tmp
+    lock_dir: str | Path | None = None  # None = $PRIMUS_PACK_LOCK_DIR or node-local tmp
+    lock_timeout_s: float = 600.0  # max wait for another builder; keep below collective timeout
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seq_length, int) or self.seq_length < 2:
+            raise DataError(f"seq_length must be an integer >= 2, got {self.seq_length!r}")
+        for name, value, allowed in (
+            ("format", self.format, FORMATS),
+            ("algorithm", self.algorithm, ALGORITHMS),
+            ("overlong", self.overlong, OVERLONG),
+        ):
+            if value not in allowed:
+                raise DataError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.lock_timeout_s <= 0:
+            raise DataError(f"lock_timeout_s must be > 0, got {self.lock_timeout_s}")
+
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else cache.default_cache_dir()
+
+    def resolved_lock_dir(self) -> Path:
+        return Path(self.lock_dir).expanduser() if self.lock_dir else cache.default_lock_dir()
+
+
+def key_fields(spec: PackSpec, source: CorpusSource, tokenizer_dir: Path) -> dict[str, Any]:
+    """Everything that changes pack content, and nothing else (paths, locks, strict do not)."""
+    return {
+        "corpus": source.fingerprint(),
+        "format": spec.format,
+        "tokenizer": tokenizer_identity(tokenizer_dir),
+        "template": TEMPLATE_ID,
+        "seq_length": spec.seq_length,
+        "algorithm": spec.algorithm,
+        "segment_cap": segment_cap(spec.seq_length),
+        "overlong": spec.overlong,
+        "align": 1,  # samples start at any token; kept so a future alignment option cannot alias
+    }
+
+
+def pack_key(spec: PackSpec) -> str:
+    source = resolve_source(spec.data)
+    return cache.cache_key(key_fields(spec, source, resolve_tokenizer_dir(spec.tokenizer)))
+
+
+class _Progress:
+    """One tqdm bar per stage on stderr; enabled=None shows bars only on a terminal."""
+
+    def __init__(self, enabled: bool | None) -> None:
+        self.disable = None if enabled is None else not enabled
+        self._bar: Any = None
+
+    def __call__(self, desc: str, total: int) -> Callable[[int], None]:
+        from tqdm import tqdm
+
+        self.close()
+        self._bar = tqdm(total=total, desc=desc, unit=" items", disable=self.disable)
+        return self._bar.update
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _limit_lengths(
+    r: Rendered, seq_length: int, overlong: str
+) -> tuple[np.ndarray, dict[str, int]]:
+    """Per-sample kept length (0 = dropped) after the overlong policy; and the counts."""
+    over = r.lengths > seq_length
+    limit = (
+        np.minimum(r.lengths, seq_length)
+        if overlong == "truncate"
+        else np.where(over, 0, r.lengths)
+    )
+    # Targets left inside the kept prefix; a truncation that cuts every target leaves a sample
+    # with nothing to learn, so it is dropped too (counted apart).
+    starts = np.cumsum(r.lengths) - r.lengths
+    targets_cum = np.concatenate([[0], np.cumsum(r.supervised, dtype=np.int64)])
+    kept_targets = targets_cum[starts + limit] - targets_cum[starts]
+    no_target = (limit > 0) & (kept_targets == 0)
+    limit = np.where(no_target, 0, limit)
+    counts = {
+        "truncated": int((over & (limit > 0)).sum()) if overlong == "truncate" else 0,
+        "dropped_overlong": int(over.sum()) if overlong == "drop" else 0,
+        "dropped_no_target": int(no_target.sum()),
+    }
+    return limit, counts
+
+
+def _gather_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Indices of the concatenated spans [starts[k], starts[k] + lengths[k]) (no Python loop)."""
+    out_starts = np.cumsum(lengths) - lengths
+    return np.repeat(starts - out_starts, lengths) + np.arange(int(lengths.sum()))
+
+
+def _stats(lengths: np.ndarray, targets: int, pack_offsets: np.ndarray, spec: PackSpec) -> dict:
+    num_packs = len(pack_offsets) - 1
+    per_pack = np.diff(pack_offsets)
+    real = int(lengths.sum())
+    total = num_packs * spec.seq_length
+    # Max sample length per pack, to count packs where no sample spans a full HCA window.
+    longest = np.maximum.reduceat(lengths, pack_offsets[:-1]) if num_packs else np.zeros(0)
+    return {
+        "num_samples": len(lengths),
+        "num_packs": num_packs,
+        "total_tokens": total,
+        "real_tokens": real,
+        "supervised_tokens": targets,
+        "real_fraction": round(real / total, 6) if total else 0.0,
+        "supervised_fraction": round(targets / total, 6) if total else 0.0,
+        "lower_bound_packs": -(-real // spec.seq_length),
+        "samples_per_pack_mean": round(len(lengths) / num_packs, 3) if num_packs else 0.0,
+        "samples_per_pack_min": int(per_pack.min()) if num_packs else 0,
+        "samples_per_pack_max": int(per_pack.max()) if num_packs else 0,
+        "packs_without_128_window": int((longest < HCA_WINDOW).sum()),
+    }
+
+
+def _render_and_pack(
+    spec: PackSpec, source: CorpusSource, tokenizer: TextTokenizer, progress: bool | None
+) -> tuple[Rendered, np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
+    """-> (rendered, kept sample ids, their kept lengths, pack order, pack offsets, counts)."""
+    rows = read_rows(source)
+    bar = _Progress(progress)
+    try:
+        rendered = render(
+            rows,
+            tokenizer,
+            fmt=spec.format,
+            where=source.describe(),
+            strict=spec.strict,
+            progress=bar,
+        )
+        limit, counts = _limit_lengths(rendered, spec.seq_length, spec.overlong)
+        kept = np.flatnonzero(limit > 0)
+        if not len(kept):
+            raise DataError(
+                f"no sample of {source.describe()} survives seq_length={spec.seq_length} with "
+                f"overlong={spec.overlong} ({counts}); raise --seq-length or use --overlong "
+                "truncate"
+            )
+        lengths = limit[kept]
+        order, pack_offsets = pack(
+            lengths,
+            seq_length=spec.seq_length,
+            algorithm=spec.algorithm,
+            on_progress=bar("pack", len(kept)),
+        )
+    finally:
+        bar.close()
+    return rendered, kept, lengths, order, pack_offsets, counts
+
+
+def _build(
+    spec: PackSpec, source: CorpusSource, tokenizer_dir: Path, progress: bool | None
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    tokenizer = load_tokenizer(tokenizer_dir)
+    rendered, kept, lengths, order, pack_offsets, counts = _render_and_pack(
+        spec, source, tokenizer, progress
+    )
+    starts = np.cumsum(rendered.lengths) - rendered.lengths
+    # Lay the kept (possibly truncated) samples out in pack order as one stream.
+    ordered_lengths = lengths[order]
+    gather = _gather_spans(starts[kept][order], ordered_lengths)
+    tokens = rendered.tokens[gather]
+    targets = rendered.supervised[gather]
+    sample_offsets = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(ordered_lengths, out=sample_offsets[1:])
+    arrays = {
+        "tokens": tokens.astype(np.uint32, copy=False),
+        "supervised": np.packbits(targets),
+        "sample_offsets": sample_offsets,
+        "pack_offsets": pack_offsets,
+        "sample_rows": rendered.rows[kept][order],
+    }
+    stats = _stats(ordered_lengths, int(targets.sum()), pack_offsets, spec)
+    stats.update(
+        truncated=counts["truncated"],
+        dropped=counts["dropped_overlong"] + counts["dropped_no_target"],
+        dropped_overlong=counts["dropped_overlong"],
+        dropped_no_target=counts["dropped_no_target"],
+        bad_rows=rendered.bad_rows,
+        num_rows=rendered.num_rows,
+        format=rendered.format,
+    )
+    manifest = {"pad_id": tokenizer.special.pad, "stats": stats}
+    return arrays, manifest
+
+
+def _try_load(entry: Path, key: str) -> PackedCorpus | None:
+    if not entry.exists():
+        return None
+    try:
+        manifest = cache.verify(entry, key)
+    except cache.CacheInvalid as exc:
+        log.warning("pack cache entry is invalid, rebuilding it: %s", exc)
+        return None
+    return PackedCorpus(entry=entry, arrays=cache.map_arrays(entry), manifest=manifest)
+
+
+def _finish(
+    corpus: PackedCorpus, *, key: str, hit: bool, build_s: float, t0: float
+) -> PackedCorpus:
+    # cache_hit and the timings describe this call; everything else comes from the manifest.
+    stats = {
+        **corpus.stats,
+        "cache_key": key,
+        "cache_hit": hit,
+        "build_seconds": round(build_s, 3),
+        "load_seconds": round(time.perf_counter() - t0 - build_s, 3),
+        "cache_dir": str(corpus.entry.parent),
+    }
+    ordered = {k: stats[k] for k in STATS_KEYS}
+    corpus.stats = {**ordered, **{k: v for k, v in stats.items() if k not in ordered}}
+    log.info(
+        "pack cache %s key=%s host=%s: %d samples -> %d packs (%.1f%% real, %.1f%% supervised)",
+        "HIT" if hit else "BUILT",
+        key,
+        socket.gethostname(),
+        corpus.num_samples,
+        len(corpus),
+        100 * corpus.stats["real_fraction"],
+        100 * corpus.stats["supervised_fraction"],
+    )
+    return corpus
+
+
+def build_or_load(spec: PackSpec, *, progress: bool | None = None) -> PackedCorpus:
+    """The packs for `spec` from the node-local cache, built once per node when missing."""
+    t0 = time.perf_counter()
+    source = resolve_source(spec.data)
+    tokenizer_dir = resolve_tokenizer_dir(spec.tokenizer)
+    fields = key_fields(spec, source, tokenizer_dir)
+    key = cache.cache_key(fields)
+    cache_dir = spec.resolved_cache_dir()
+    entry = cache.entry_dir(cache_dir, key)
+
+    corpus = _try_load(entry, key)
+    if corpus is not None:
+        return _finish(corpus, key=key, hit=True, build_s=0.0, t0=t0)
+
+    lock = cache.lock_path(spec.resolved_lock_dir(), cache_dir, key)
+    with cache.node_lock(lock, timeout_s=spec.lock_timeout_s, key=key):
+        corpus = _try_load(entry, key)  # built by the process we waited for
+        if corpus is not None:
+            return _finish(corpus, key=key, hit=True, build_s=0.0, t0=t0)
+        log.info("pack cache MISS key=%s: building %s into %s", key, source.describe(), cache_dir)
+        t_build = time.perf_counter()
+        if cache_dir.exists():
+            cache.remove_stale_temps(cache_dir, key)
+            cache.discard(entry)  # an invalid entry found above
+        arrays, manifest = _build(spec, source, tokenizer_dir, progress)
+        manifest.update(
+            format_version=cache.FORMAT_VERSION,
+            key_fields=fields,
+            seq_length=spec.seq_length,
+            data=spec.data,
+            created_by={"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()},
+        )
+        manifest["stats"]["cold_build_seconds"] = round(time.perf_counter() - t_build, 3)
+        entry = cache.publish(cache_dir, key, arrays, manifest)
+        build_s = time.perf_counter() - t_build
+        # publish may hand back an equal entry another host published first: read its manifest.
+        manifest = cache.read_manifest(entry)
+        corpus = PackedCorpus(entry=entry, arrays=cache.map_arrays(entry), manifest=manifest)
+    return _finish(corpus, key=key, hit=False, build_s=build_s, t0=t0)
