@@ -22,7 +22,7 @@ class SeqComm(Protocol):
     size: int
 
     def left_rows(self, x_TX: torch.Tensor, n: int) -> torch.Tensor:
-        """The previous rank's last `n` rows of `x` ([n, ...]); zeros on rank 0. Autograd-correct."""
+        """The previous rank's last `n` rows of `x` ([n, ...]), zeros on rank 0; autograd-aware."""
         ...
 
     def gather_rows(self, x_PX: torch.Tensor) -> torch.Tensor:

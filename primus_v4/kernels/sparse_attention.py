@@ -1,0 +1,112 @@
+"""Index-driven sparse attention with a learned sink: the torch reference (memory-efficient).
+
+Legend: T = query rows, H = heads, D = head dim, N = rows of the key buffer, R = key ranges
+per query, K = explicit key indices per query, C = query rows in a chunk, M = chunk candidates.
+
+Each query t attends to the key-buffer rows in its ranges [lo[t, r], hi[t, r]) plus the explicit
+rows idx[t, k] (-1 = no key), one softmax over all of them plus the sink logit (value 0). A query's
+candidates must be distinct (a repeated row would count twice). The buffer row is both key and
+value (single-latent MQA). Causality, windows, sample isolation and
+top-k selection all live in the ranges and indices, so this op never sees a layout.
+
+Memory: candidate keys are gathered per chunk of query rows ([C, M, D] + [C, H, M] at a time,
+bounded by `chunk_elems`), and the backward recomputes them (flash-attention style: only q, kv,
+out and the row log-sum-exp are saved), so activation memory is O(T * (H * D + R + K)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_ELEMS = 1 << 23  # ~32 MiB of float32 candidate keys per chunk: small peak, few python steps
+
+
+def _chunk_columns(
+    lo_CR: torch.Tensor, hi_CR: torch.Tensor, idx_CK: torch.Tensor | None, n_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffer rows [C, M] of every candidate key of a chunk and whether each one exists."""
+    cols, valid = [], []
+    for r in range(lo_CR.shape[1]):
+        lo, hi = lo_CR[:, r : r + 1], hi_CR[:, r : r + 1]
+        width = int((hi - lo).max().clamp(min=0)) if lo.numel() else 0
+        c = lo + torch.arange(width, device=lo.device)
+        cols.append(c)
+        valid.append(c < hi)
+    if idx_CK is not None:
+        cols.append(idx_CK)
+        valid.append(idx_CK >= 0)
+    col_CM = torch.cat(cols, dim=1).clamp(0, max(n_rows - 1, 0))
+    return col_CM, torch.cat(valid, dim=1)
+
+
+def _chunk_probs(q_CHD, kv_ND, col_CM, valid_CM, sink_H, scale, lse_CH=None):
+    k_CMD = kv_ND[col_CM]
+    s_CHM = torch.einsum("chd,cmd->chm", q_CHD, k_CMD) * scale
+    s_CHM = s_CHM.masked_fill(~valid_CM[:, None, :], float("-inf"))
+    if lse_CH is None:
+        sink_CH1 = sink_H.to(s_CHM.dtype)[None, :, None].expand(s_CHM.shape[0], -1, 1)
+        lse_CH = torch.logsumexp(torch.cat((s_CHM, sink_CH1), dim=-1), dim=-1)
+    return k_CMD, torch.exp(s_CHM - lse_CH[..., None]), lse_CH
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_THD, kv_ND, sink_H, lo_TR, hi_TR, idx_TK, scale, rows):
+        out_THD = torch.empty_like(q_THD)
+        lse_TH = q_THD.new_empty(q_THD.shape[:2])
+        n = kv_ND.shape[0]
+        for a in range(0, q_THD.shape[0], rows):
+            b = a + rows
+            idx = None if idx_TK is None else idx_TK[a:b]
+            col, valid = _chunk_columns(lo_TR[a:b], hi_TR[a:b], idx, n)
+            k_CMD, p_CHM, lse = _chunk_probs(q_THD[a:b], kv_ND, col, valid, sink_H, scale)
+            out_THD[a:b] = torch.einsum("chm,cmd->chd", p_CHM, k_CMD)
+            lse_TH[a:b] = lse
+        ctx.save_for_backward(q_THD, kv_ND, sink_H, lo_TR, hi_TR, idx_TK, out_THD, lse_TH)
+        ctx.scale, ctx.rows = scale, rows
+        return out_THD
+
+    @staticmethod
+    def backward(ctx, dout_THD):
+        q_THD, kv_ND, sink_H, lo_TR, hi_TR, idx_TK, out_THD, lse_TH = ctx.saved_tensors
+        scale, rows, n = ctx.scale, ctx.rows, kv_ND.shape[0]
+        dq_THD = torch.zeros_like(q_THD)
+        dkv_ND = torch.zeros_like(kv_ND)
+        dsink_H = torch.zeros_like(sink_H)
+        for a in range(0, q_THD.shape[0], rows):
+            b = a + rows
+            idx = None if idx_TK is None else idx_TK[a:b]
+            col, valid = _chunk_columns(lo_TR[a:b], hi_TR[a:b], idx, n)
+            q, do, lse = q_THD[a:b], dout_THD[a:b], lse_TH[a:b]
+            k_CMD, p_CHM, _ = _chunk_probs(q, kv_ND, col, valid, sink_H, scale, lse)
+            delta_CH = (do * out_THD[a:b]).sum(-1)  # d(lse)-term of the softmax backward
+            ds_CHM = p_CHM * (torch.einsum("chd,cmd->chm", do, k_CMD) - delta_CH[..., None])
+            dq_THD[a:b] = torch.einsum("chm,cmd->chd", ds_CHM, k_CMD) * scale
+            # K and V are the same rows: their gradients add before the scatter.
+            dk_CMD = torch.einsum("chm,chd->cmd", ds_CHM, q) * scale
+            dk_CMD = dk_CMD + torch.einsum("chm,chd->cmd", p_CHM, do)
+            dkv_ND.index_add_(0, col.flatten(), dk_CMD.flatten(0, 1))
+            # The sink's value is 0, so its logit gradient is -p_sink * delta.
+            dsink_H -= (torch.exp(sink_H[None, :] - lse) * delta_CH).sum(0)
+        return dq_THD, dkv_ND, dsink_H, None, None, None, None, None
+
+
+def sparse_attention_torch(
+    q_THD: torch.Tensor,
+    kv_ND: torch.Tensor,
+    sink_H: torch.Tensor | None,
+    *,
+    lo_TR: torch.Tensor,
+    hi_TR: torch.Tensor,
+    idx_TK: torch.Tensor | None = None,
+    scale: float,
+    chunk_elems: int = CHUNK_ELEMS,
+) -> torch.Tensor:
+    """Softmax(q k^T * scale ++ sink) v over each query's candidate rows of `kv_ND` -> [T, H, D]."""
+    t, h, d = q_THD.shape
+    if sink_H is None:
+        sink_H = q_THD.new_full((h,), float("-inf"))
+    widths = int((hi_TR - lo_TR).amax(dim=0).clamp(min=0).sum()) if t else 0
+    widths += 0 if idx_TK is None else idx_TK.shape[1]
+    rows = max(1, chunk_elems // max(1, widths * (d + 3 * h)))
+    return _SparseAttention.apply(q_THD, kv_ND, sink_H, lo_TR, hi_TR, idx_TK, scale, rows)
