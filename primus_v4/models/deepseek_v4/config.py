@@ -106,6 +106,30 @@ class DeepseekV4Config(TransformerConfig):
             )
         if self.qk_pos_emb_head_dim % 2 or self.qk_pos_emb_head_dim > self.kv_channels:
             raise ConfigError("qk_pos_emb_head_dim must be even and at most kv_channels")
+        self._validate_moe_and_heads()
+
+    def _validate_moe_and_heads(self) -> None:
+        """MoE / mHC / MTP / loss fields (every decoder layer is MoE in DeepSeek-V4)."""
+        if not self.num_moe_experts or not self.moe_ffn_hidden_size:
+            raise ConfigError(
+                "num_moe_experts and moe_ffn_hidden_size must be set: every V4 layer is MoE"
+            )
+        if not 1 <= self.moe_router_topk <= self.num_moe_experts:
+            raise ConfigError(
+                f"moe_router_topk {self.moe_router_topk} must be in [1, num_moe_experts "
+                f"{self.num_moe_experts}]"
+            )
+        if not 0 <= self.num_hash_layers <= self.num_layers:
+            raise ConfigError(
+                f"num_hash_layers {self.num_hash_layers} must be in [0, num_layers "
+                f"{self.num_layers}]"
+            )
+        if self.hc_mult < 1 or self.hc_sinkhorn_iters < 1:
+            raise ConfigError("hc_mult and hc_sinkhorn_iters must be >= 1")
+        if (self.mtp_num_layers or 0) < 0:
+            raise ConfigError(f"mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
+        if self.ce_chunk_size < 1 or self.vocab_size < 1:
+            raise ConfigError("ce_chunk_size and vocab_size must be positive")
 
     @property
     def head_dim(self) -> int:

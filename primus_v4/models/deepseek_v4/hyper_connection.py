@@ -1,0 +1,125 @@
+"""mHC hyper-connections: K residual streams mixed per token around every sub-block.
+
+Legend: T = rows, K = hc_mult streams, D = hidden.
+
+Every op here is row-wise (nothing mixes tokens), so packing isolation is untouched by mHC.
+A `HyperMixer` wraps one sub-block (attention or MoE): from the K streams it computes
+  pre [K]   = sigmoid(.) + eps         weights collapsing the streams into the sub-block input,
+  post [K]  = 2 * sigmoid(.)           how much of the sub-block output each stream receives,
+  comb [K,K] = Sinkhorn(softmax(.) + eps)  a doubly-stochastic stream-to-stream residual mix,
+all from one linear map of the RMS-normalized flattened streams (K*D -> (2+K)*K), each group with
+its own learned scalar scale and a bias. `HyperHead` collapses the K streams once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _sinkhorn(logits_TKK: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    comb = torch.softmax(logits_TKK.float(), dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return comb
+
+
+def sinkhorn(logits_TKK: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
+    """Doubly-stochastic projection: softmax over rows, then alternate column/row scaling.
+
+    Kept in float32: K is tiny (4) and 20 alternating divisions lose bits quickly in bf16.
+    Recomputed in backward: autograd would otherwise keep ~2 x iters [T, K, K] intermediates
+    per mixer (40 x 8 MiB per mixer at 128k rows), the largest activation of the whole layer.
+    """
+    if torch.is_grad_enabled() and logits_TKK.requires_grad:
+        return torch.utils.checkpoint.checkpoint(
+            _sinkhorn, logits_TKK, iters, eps, use_reentrant=False
+        )
+    return _sinkhorn(logits_TKK, iters, eps)
+
+
+def _rms_scale(x_TX: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / rms(x) per row [T, 1] in float32; applied after the linear map (a row scale commutes
+    with it), so the normalized [T, K*D] copy is never materialized nor saved."""
+    x32 = x_TX.float()
+    return torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def lift_streams(x_TD: torch.Tensor, k: int) -> torch.Tensor:
+    """Enter mHC: every stream starts as a copy of the embedding."""
+    return x_TD.unsqueeze(1).expand(-1, k, -1).contiguous()
+
+
+class HyperMixer(nn.Module):
+    """Collapse K streams into one sub-block input, and write the sub-block output back."""
+
+    def __init__(self, *, hidden: int, k: int, sinkhorn_iters: int, eps: float, norm_eps: float):
+        super().__init__()
+        self.k, self.iters, self.eps, self.norm_eps = k, sinkhorn_iters, eps, norm_eps
+        # float32 weights: the mixing coefficients feed a 20-step Sinkhorn and gate every residual.
+        self.proj = nn.Linear(k * hidden, (2 + k) * k, bias=False, dtype=torch.float32)
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))  # pre, post, comb groups
+        self.bias = nn.Parameter(torch.zeros((2 + k) * k, dtype=torch.float32))
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.proj.weight, std=std)
+        nn.init.ones_(self.scale)
+        # Zero bias: pre = 1/2, post = 1, comb = uniform 1/K mixing at init (scaled by the tiny
+        # projection noise); the residual stays well conditioned from the first step.
+        nn.init.zeros_(self.bias)
+
+    def coefficients(self, x_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k = self.k
+        t = x_TKD.shape[0]
+        flat = x_TKD.reshape(t, -1).float()
+        # Weights cast to float32 here too, so a model cast to bf16 still mixes in float32.
+        mix = F.linear(flat, self.proj.weight.float()) * _rms_scale(flat, self.norm_eps)
+        sc = self.scale.float()
+        scale = torch.cat([sc[0].expand(k), sc[1].expand(k), sc[2].expand(k * k)])
+        mix = mix * scale + self.bias.float()
+        pre_TK = torch.sigmoid(mix[:, :k]) + self.eps
+        post_TK = 2.0 * torch.sigmoid(mix[:, k : 2 * k])
+        comb_TKK = sinkhorn(mix[:, 2 * k :].reshape(t, k, k), iters=self.iters, eps=self.eps)
+        return pre_TK, post_TK, comb_TKK
+
+    def collapse(self, x_TKD: torch.Tensor, pre_TK: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("tk,tkd->td", pre_TK.to(x_TKD.dtype), x_TKD)
+
+    def write_back(
+        self,
+        x_TKD: torch.Tensor,
+        out_TD: torch.Tensor,
+        post_TK: torch.Tensor,
+        comb_TKK: torch.Tensor,
+    ) -> torch.Tensor:
+        """x'_h = post_h * out + sum_k comb[h, k] * x_k."""
+        dt = x_TKD.dtype
+        mixed = torch.einsum("thk,tkd->thd", comb_TKK.to(dt), x_TKD)
+        return mixed + post_TK.to(dt).unsqueeze(-1) * out_TD.unsqueeze(1)
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the K streams into one hidden row (sigmoid weights, no Sinkhorn)."""
+
+    def __init__(self, *, hidden: int, k: int, eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.k, self.eps, self.norm_eps = k, eps, norm_eps
+        self.proj = nn.Linear(k * hidden, k, bias=False, dtype=torch.float32)
+        self.scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(k, dtype=torch.float32))
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.proj.weight, std=std)
+        nn.init.ones_(self.scale)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x_TKD: torch.Tensor) -> torch.Tensor:
+        t = x_TKD.shape[0]
+        flat = x_TKD.reshape(t, -1).float()
+        logits_TK = F.linear(flat, self.proj.weight.float()) * _rms_scale(flat, self.norm_eps)
+        logits_TK = logits_TK * self.scale.float()
+        w_TK = torch.sigmoid(logits_TK + self.bias.float()) + self.eps
+        return torch.einsum("tk,tkd->td", w_TK.to(x_TKD.dtype), x_TKD)

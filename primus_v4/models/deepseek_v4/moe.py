@@ -1,0 +1,265 @@
+"""Mixture of experts: sqrt-softplus router (or a fixed token-id hash), shared expert, grouped
+clamped-SwiGLU experts behind a swappable dispatcher, and the per-sample balance loss.
+
+Legend: T = rows on this rank, R = routed (non-padding) rows, K = top-k, E = experts,
+M = R * K routed copies sorted by expert, D = hidden, F = expert ffn, N = segments in the pack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from primus_v4.kernels.grouped_experts import OP_NAME as GROUPED_EXPERTS
+from primus_v4.kernels.grouped_experts import clamped_swiglu
+from primus_v4.kernels.registry import resolve
+from primus_v4.models.deepseek_v4.config import DeepseekV4Config
+from primus_v4.models.deepseek_v4.layout import RowLayout
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutingInputs:
+    """What every MoE layer of one forward needs besides the hidden rows (built once per pack).
+
+    token_ids_T:   input ids of this rank's rows (hash-routed layers look them up).
+    routed_rows_R: indices of the non-padding rows; padding is never routed nor counted.
+    segment_R:     global segment index (into cu_seqlens) of each routed row.
+    num_segments:  N, segments in the whole pack.
+    layout:        the pack's RowLayout (its comm reduces balance statistics under CP).
+    """
+
+    token_ids_T: torch.Tensor
+    routed_rows_R: torch.Tensor
+    segment_R: torch.Tensor
+    num_segments: int
+    layout: RowLayout
+
+    @classmethod
+    def build(
+        cls,
+        token_ids_T: torch.Tensor,
+        layout: RowLayout,
+        padding_mask_T: torch.Tensor | None,
+    ) -> RoutingInputs:
+        t = token_ids_T.shape[0]
+        device = token_ids_T.device
+        cu = layout.cu_seqlens.to(device)
+        rows_global = torch.arange(t, device=device) + layout.global_start
+        segment_T = torch.searchsorted(cu, rows_global, right=True) - 1
+        if padding_mask_T is None:
+            routed = torch.arange(t, device=device)
+        else:
+            routed = torch.nonzero(~padding_mask_T.to(device).bool(), as_tuple=False).flatten()
+        return cls(
+            token_ids_T=token_ids_T,
+            routed_rows_R=routed,
+            segment_R=segment_T[routed],
+            num_segments=cu.numel() - 1,
+            layout=layout,
+        )
+
+
+class Dispatcher(Protocol):
+    """Moves routed copies to the experts that own them and back.
+
+    The single-process `LocalDispatcher` sorts by expert; an expert-parallel all-to-all
+    dispatcher implements the same two calls (send rows to the owning ranks, sort by local
+    expert; then the inverse), and the MoE math does not change.
+    """
+
+    def dispatch(
+        self, x_RD: torch.Tensor, expert_RK: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, list[int], Any]:
+        """Returns rows sorted by local expert [M, D], rows per local expert, and a handle."""
+        ...
+
+    def combine(self, y_MD: torch.Tensor, weight_RK: torch.Tensor, handle: Any) -> torch.Tensor:
+        """Inverse of dispatch, weighting each copy and summing its K experts: [R, D]."""
+        ...
+
+
+class LocalDispatcher:
+    """All experts live on this rank: a stable sort by expert id is the whole dispatch."""
+
+    def dispatch(
+        self, x_RD: torch.Tensor, expert_RK: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, list[int], Any]:
+        k = expert_RK.shape[1]
+        flat_M = expert_RK.reshape(-1)
+        order_M = torch.argsort(flat_M, stable=True)
+        counts = torch.bincount(flat_M, minlength=num_experts).tolist()
+        x_MD = x_RD.index_select(0, order_M // k)
+        return x_MD, counts, order_M
+
+    def combine(self, y_MD: torch.Tensor, weight_RK: torch.Tensor, handle: Any) -> torch.Tensor:
+        order_M = handle
+        r, k = weight_RK.shape
+        inverse_M = torch.argsort(order_M)
+        y_RKD = y_MD.index_select(0, inverse_M).view(r, k, y_MD.shape[-1])
+        return torch.einsum("rkd,rk->rd", y_RKD, weight_RK.to(y_RKD.dtype))
+
+
+def hash_table(vocab: int, num_experts: int, topk: int, seed: int) -> torch.Tensor:
+    """Token id -> `topk` distinct experts, uniformly at random from a fixed CPU seed."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    noise = torch.rand(vocab, num_experts, generator=gen, device="cpu")
+    return noise.topk(topk, dim=1).indices.to(torch.int32)
+
+
+class Router(nn.Module):
+    """sqrt(softplus) affinities; experts by top-k (or by hash table); weights renormalized."""
+
+    def __init__(self, cfg: DeepseekV4Config, *, layer_idx: int, hashed: bool) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_moe_experts
+        self.topk = cfg.moe_router_topk
+        self.route_scale = cfg.moe_router_topk_scaling_factor or 1.0
+        # float32 gate: routing decisions flip on small logit differences.
+        self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size))
+        self.hashed = hashed
+        if hashed:
+            # One table per hash layer (seed offset by layer) so the first layers do not all
+            # send a token to the same experts. A buffer, never trained, saved with the model.
+            if self.weight.is_meta:  # shape-only model (parameter counting): no table to draw
+                table = torch.empty(cfg.vocab_size, self.topk, dtype=torch.int32, device="meta")
+            else:
+                seed = cfg.hash_seed + layer_idx
+                table = hash_table(cfg.vocab_size, self.num_experts, self.topk, seed)
+                table = table.to(self.weight.device)  # drawn on CPU: same table on every device
+            self.register_buffer("tid2eid", table)
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.weight, std=std)
+
+    def forward(
+        self, x_TD: torch.Tensor, routing: RoutingInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (expert_RK, weight_RK, affinity_RE) for the routed rows."""
+        # Scores for every row keep the gate in the graph even when nothing is routed, so an
+        # all-padding pack yields zero (not missing) gradients.
+        scores_TE = torch.sqrt(F.softplus(x_TD.float() @ self.weight.float().t()))
+        scores_RE = scores_TE.index_select(0, routing.routed_rows_R)
+        if self.hashed:
+            ids_R = routing.token_ids_T.index_select(0, routing.routed_rows_R)
+            expert_RK = self.tid2eid.index_select(0, ids_R.long()).long()
+        else:
+            expert_RK = scores_RE.topk(self.topk, dim=-1).indices
+        picked_RK = scores_RE.gather(1, expert_RK)
+        weight_RK = picked_RK / (picked_RK.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+        return expert_RK, weight_RK, scores_RE
+
+
+def balance_loss(
+    expert_RK: torch.Tensor,
+    scores_RE: torch.Tensor,
+    routing: RoutingInputs,
+) -> torch.Tensor:
+    """Sequence-wise balance loss (DeepSeek-V3 form), one term per sample, averaged over samples.
+
+    For sample s with T_s routed rows: f_i = E / (K T_s) * #rows choosing expert i,
+    P_i = mean over its rows of the normalized affinity s_i / sum_j s_j; L_s = sum_i f_i P_i.
+    Statistics are summed per segment, so a sample split over CP ranks is one sample once the
+    comm reduces them; padding rows were never routed and count nowhere.
+    """
+    e = scores_RE.shape[1]
+    k = expert_RK.shape[1]
+    n = routing.num_segments
+    seg_R = routing.segment_R
+    probs_RE = scores_RE / (scores_RE.sum(-1, keepdim=True) + 1e-20)
+    chosen_RE = torch.zeros_like(probs_RE).scatter_(1, expert_RK, 1.0)
+    count_NE = probs_RE.new_zeros(n, e).index_add(0, seg_R, chosen_RE)
+    prob_NE = probs_RE.new_zeros(n, e).index_add(0, seg_R, probs_RE)
+    rows_N = probs_RE.new_zeros(n).index_add(0, seg_R, torch.ones_like(seg_R, dtype=probs_RE.dtype))
+    count_NE, prob_NE, rows_N = _reduce_over_sequence_ranks(
+        routing.layout, count_NE, prob_NE, rows_N
+    )
+    present_N = rows_N > 0
+    denom_N = rows_N.clamp(min=1.0)
+    f_NE = count_NE * (e / k) / denom_N[:, None]
+    p_NE = prob_NE / denom_N[:, None]
+    per_sample_N = (f_NE * p_NE).sum(-1)
+    num_present = present_N.sum().clamp(min=1)
+    # With no routed rows at all this is 0 * (graph-connected) = exactly zero, never NaN.
+    return (per_sample_N * present_N).sum() / num_present
+
+
+def _reduce_over_sequence_ranks(
+    layout: RowLayout, *stats: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Sum per-segment statistics over context-parallel ranks (identity on one rank)."""
+    comm = layout.comm
+    if comm.size == 1:
+        return stats
+    reduce = getattr(comm, "all_reduce_sum", None)
+    if reduce is None:
+        raise NotImplementedError(
+            f"{type(comm).__name__} has no all_reduce_sum: the per-sample balance loss needs "
+            "per-segment statistics summed over CP ranks (autograd-aware all-reduce)"
+        )
+    return tuple(reduce(s) for s in stats)
+
+
+class SharedExpert(nn.Module):
+    """Dense clamped-SwiGLU expert applied to every row."""
+
+    def __init__(self, cfg: DeepseekV4Config) -> None:
+        super().__init__()
+        f = cfg.moe_shared_expert_intermediate_size or cfg.moe_ffn_hidden_size
+        self.limit = cfg.swiglu_limit
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * f, bias=False)
+        self.down = nn.Linear(f, cfg.hidden_size, bias=False)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.down(clamped_swiglu(self.gate_up(x_TD), self.limit))
+
+
+class MoE(nn.Module):
+    """Routed experts (via a Dispatcher and the grouped-experts kernel seam) + one shared expert."""
+
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        *,
+        layer_idx: int,
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
+        super().__init__()
+        e, d, f = cfg.num_moe_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
+        self.num_experts = e
+        self.limit = cfg.swiglu_limit
+        self.aux_coeff = cfg.moe_aux_loss_coeff
+        self.hashed = layer_idx < cfg.num_hash_layers
+        self.router = Router(cfg, layer_idx=layer_idx, hashed=self.hashed)
+        # Stored [E, in, out] so a grouped GEMM multiplies sorted rows without a transpose.
+        self.w_gate_up = nn.Parameter(torch.empty(e, d, 2 * f))
+        self.w_down = nn.Parameter(torch.empty(e, f, d))
+        self.shared = SharedExpert(cfg) if cfg.moe_shared_expert_intermediate_size else None
+        self.dispatcher: Dispatcher = dispatcher or LocalDispatcher()
+        self.grouped_experts = resolve(GROUPED_EXPERTS)
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.w_gate_up, std=std)
+        nn.init.normal_(self.w_down, std=std)
+
+    def forward(
+        self, x_TD: torch.Tensor, routing: RoutingInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (y_TD, aux_loss): padding rows get only the shared expert's output."""
+        expert_RK, weight_RK, scores_RE = self.router(x_TD, routing)
+        x_RD = x_TD.index_select(0, routing.routed_rows_R)
+        x_MD, counts, handle = self.dispatcher.dispatch(x_RD, expert_RK, self.num_experts)
+        y_MD = self.grouped_experts(x_MD, counts, self.w_gate_up, self.w_down, limit=self.limit)
+        y_RD = self.dispatcher.combine(y_MD, weight_RK, handle)
+        y_TD = x_TD.new_zeros(x_TD.shape).index_add(0, routing.routed_rows_R, y_RD.to(x_TD.dtype))
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        if self.hashed or not self.aux_coeff:
+            # Hash routing is fixed: a balance loss could only push the gate, not the routing.
+            aux = scores_RE.sum() * 0.0
+        else:
+            aux = balance_loss(expert_RK, scores_RE, routing) * self.aux_coeff
+        return y_TD, aux
