@@ -1,4 +1,4 @@
-"""User-facing errors: the CLI prints their message (what, where, what to do) without a traceback."""
+"""User-facing errors: the CLI prints their message (what, where, what to do), no traceback."""
 
 
 class PrimusError(Exception):

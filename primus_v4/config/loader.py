@@ -1,0 +1,247 @@
+"""Strict YAML -> `RunConfig`: unknown keys and wrong types are errors naming key, file and line.
+
+Order of resolution: the YAML file, then `--set a.b=c` overrides (values parsed as YAML, so
+`--set train.steps=5` is an int), then `${ENV}` / `${ENV:default}` references in string values
+(a value that is exactly one reference takes the YAML type of what it expands to). The resolved
+config round-trips: `load_config_text(dump_yaml(cfg)) == cfg`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from primus_v4.config.schema import SECTIONS, RunConfig
+from primus_v4.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "runs" / "tiny_cpu_thd.yaml"
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)")
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
+
+
+class _Where:
+    """Remembers where each dotted key came from (`file:line` or `--set`), for error messages."""
+
+    def __init__(self, default: str) -> None:
+        self.default = default
+        self.by_key: dict[str, str] = {}
+
+    def __call__(self, key: str) -> str:
+        while key:
+            if key in self.by_key:
+                return self.by_key[key]
+            key = key.rpartition(".")[0]
+        return self.default
+
+
+def _record_lines(node: yaml.Node, prefix: str, source: str, where: _Where) -> None:
+    if not isinstance(node, yaml.MappingNode):
+        return
+    for key_node, value_node in node.value:
+        key = f"{prefix}{key_node.value}"
+        where.by_key[key] = f"{source}:{key_node.start_mark.line + 1}"
+        _record_lines(value_node, f"{key}.", source, where)
+
+
+def _parse_yaml(text: str, source: str, where: _Where) -> dict[str, Any]:
+    try:
+        tree = yaml.safe_load(text)
+        node = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(tree)}")
+    if node is not None:
+        _record_lines(node, "", source, where)
+    return tree
+
+
+def _split_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.steps=5")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from exc
+    return parts, value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: Iterable[str], where: _Where) -> None:
+    """`a.b=c` sets tree[a][b] = yaml(c); deeper keys (model.overrides.x=1) create mappings."""
+    for item in overrides:
+        parts, value = _split_override(item)
+        node = tree
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                path = ".".join(parts[: depth + 1])
+                raise ConfigError(f"--set {item!r}: {path} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+        for depth in range(1, len(parts) + 1):
+            where.by_key.setdefault(".".join(parts[:depth]), f"--set {item}")
+        where.by_key[".".join(parts)] = f"--set {item}"
+
+
+def _expand_env(value: str, key: str, where: _Where) -> Any:
+    def lookup(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is None:
+            raise ConfigError(
+                f"{where(key)}: {key}: environment variable {name} is not set and has no "
+                f"default; export it or write ${{{name}:default}}"
+            )
+        return default
+
+    whole = _ENV_REF.fullmatch(value)
+    expanded = _ENV_REF.sub(lookup, value)
+    if whole is None:
+        return expanded
+    try:  # a value that is exactly one reference takes the YAML type of its expansion
+        return yaml.safe_load(expanded) if expanded.strip() else None
+    except yaml.YAMLError:
+        return expanded
+
+
+def interpolate(tree: Any, where: _Where, prefix: str = "") -> Any:
+    """Expand `${ENV}` / `${ENV:default}` in every string of the tree."""
+    if isinstance(tree, dict):
+        return {k: interpolate(v, where, f"{prefix}{k}.") for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [interpolate(v, where, prefix) for v in tree]
+    if isinstance(tree, str) and "${" in tree:
+        return _expand_env(tree, prefix.rstrip("."), where)
+    return tree
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check `value` against a field's type hint; ints widen to floats. Raises ConfigError."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(hint):
+            if option is type(None) and value is None:
+                return None
+            try:
+                return coerce(value, option, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{key}: expected {_type_name(hint)}, got {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{key}: must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin in (dict, list):
+        if not isinstance(value, origin):
+            raise ConfigError(f"{key}: expected a {origin.__name__}, got {value!r}")
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads `1e-3` (no dot) as a string
+    if hint is Any or (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+        return value
+    raise ConfigError(f"{key}: expected {_type_name(hint)}, got {type(value).__name__} {value!r}")
+
+
+def _unknown(key: str, known: Iterable[str], where: _Where, what: str) -> ConfigError:
+    name = key.rpartition(".")[2]
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {sorted(known)}"
+    return ConfigError(f"{where(key)}: unknown {what} {key!r}{hint}")
+
+
+def _build_section(name: str, values: Any, where: _Where) -> Any:
+    cls = SECTIONS[name]
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where(name)}: section {name!r} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        dotted = f"{name}.{key}"
+        if key not in known:
+            raise _unknown(dotted, known, where, "key")
+        try:
+            kwargs[key] = coerce(value, hints[key], dotted)
+        except ConfigError as exc:
+            raise ConfigError(f"{where(dotted)}: {exc}") from None
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        key = str(exc).partition(":")[0]
+        raise ConfigError(f"{where(key)}: {exc}") from None
+
+
+def build_config(tree: Mapping[str, Any], where: _Where | None = None) -> RunConfig:
+    """Strictly turn a mapping of sections into a validated RunConfig."""
+    where = where or _Where("<dict>")
+    sections = {}
+    for name, values in tree.items():
+        if name not in SECTIONS:
+            raise _unknown(name, SECTIONS, where, "section")
+        sections[name] = _build_section(name, values or {}, where)
+    try:
+        return RunConfig(**sections)
+    except ConfigError as exc:
+        key = str(exc).partition(":")[0]
+        raise ConfigError(f"{where(key)}: {exc}") from None
+
+
+def load_config_text(
+    text: str, *, source: str = "<text>", overrides: Iterable[str] = ()
+) -> RunConfig:
+    where = _Where(source)
+    tree = _parse_yaml(text, source, where)
+    apply_overrides(tree, overrides, where)
+    return build_config(interpolate(tree, where), where)
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Load a run config file (default: the embedded tiny_cpu_thd.yaml) plus `--set` items."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    return load_config_text(path.read_text(), source=str(path), overrides=overrides)
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain nested dict (sections in declaration order); the inverse of `build_config`."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    header = "# Resolved primus-v4 run config (file + --set + ${ENV}); loads back unchanged.\n"
+    return header + yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def write_resolved(cfg: RunConfig, directory: str | Path | None = None) -> Path:
+    """Write `<output.dir>/config.yaml` atomically; returns its path."""
+    out = Path(directory if directory is not None else cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.yaml"
+    tmp = out / f".config.yaml.{os.getpid()}.tmp"
+    tmp.write_text(dump_yaml(cfg))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,177 @@
+"""Checks that need more than the config file: the world size (from the launcher) and the model.
+
+Layout (megatron-core, tp = etp = 1):
+  dense ranks:  world = pp x cp x dp
+  expert ranks: world = pp x ep x edp, independent of cp (ep spans dp x cp ranks)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from primus_v4.config.schema import RunConfig
+from primus_v4.errors import ConfigError
+
+if TYPE_CHECKING:
+    from primus_v4.data.pipeline import PackSpec
+    from primus_v4.models.deepseek_v4.config import DeepseekV4Config
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSizes:
+    """Every group size of the run, derived from the world size and `parallel.*`."""
+
+    world: int
+    pp: int
+    cp: int
+    ep: int
+    dp: int
+    edp: int
+    num_micro_batches: int
+    """Micro-batches each data-parallel rank runs per optimizer step."""
+
+
+def world_size_from_env() -> int:
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(raw)
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={raw!r} is not an integer") from None
+    if world < 1:
+        raise ConfigError(f"WORLD_SIZE={world} must be >= 1")
+    return world
+
+
+def parallel_sizes(cfg: RunConfig, world: int) -> ParallelSizes:
+    """Derive dp/edp/micro-batches; errors name the numbers that disagree."""
+    p = cfg.parallel
+    if world % (p.pp * p.cp):
+        raise ConfigError(
+            f"world size {world} is not divisible by parallel.pp x parallel.cp = "
+            f"{p.pp} x {p.cp} = {p.pp * p.cp} (world = pp x cp x dp)"
+        )
+    dp = world // (p.pp * p.cp)
+    if (dp * p.cp) % p.ep:
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide dp x cp = {dp} x {p.cp} = {dp * p.cp} (world {world} "
+            f"/ pp {p.pp}): expert ranks are laid out as edp x ep x pp, independent of cp"
+        )
+    edp = world // (p.pp * p.ep)
+    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    if gbs % (mbs * dp):
+        raise ConfigError(
+            f"train.global_batch_size={gbs} must be divisible by train.micro_batch_size x dp = "
+            f"{mbs} x {dp} = {mbs * dp}"
+        )
+    return ParallelSizes(
+        world=world, pp=p.pp, cp=p.cp, ep=p.ep, dp=dp, edp=edp, num_micro_batches=gbs // (mbs * dp)
+    )
+
+
+def model_config(cfg: RunConfig) -> DeepseekV4Config:
+    """The model preset with `model.overrides` and `model.*` applied (errors name the key)."""
+    from primus_v4.models.deepseek_v4.config import DeepseekV4Config
+
+    overrides = dict(cfg.model.overrides)
+    if not cfg.model.fused_linear_ce:
+        # One CE chunk spanning the whole row: the [S, vocab] logits exist at once (unfused).
+        overrides.setdefault("ce_chunk_size", cfg.data.seq_length)
+    if cfg.model.dtype == "bfloat16":
+        import torch
+
+        overrides.setdefault("bf16", True)
+        overrides.setdefault("params_dtype", torch.bfloat16)
+    try:
+        return DeepseekV4Config.preset(cfg.model.preset, **overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"model.preset / model.overrides: {exc}") from None
+    except (TypeError, ValueError, AssertionError) as exc:
+        raise ConfigError(
+            f"model.overrides {sorted(cfg.model.overrides)} on preset {cfg.model.preset!r} give "
+            f"an invalid model: {exc}"
+        ) from None
+
+
+def pack_spec(cfg: RunConfig) -> PackSpec:
+    """What the data pipeline packs and caches (checked here; nothing is read or built)."""
+    from primus_v4.data.pipeline import PackSpec
+    from primus_v4.errors import DataError
+
+    d = cfg.data
+    try:
+        return PackSpec(
+            data=d.path,
+            format=d.format,
+            seq_length=d.seq_length,
+            algorithm=d.algorithm,
+            overlong=d.overlong,
+            tokenizer=d.tokenizer,
+            strict=d.strict,
+            cache_dir=d.cache_dir,
+            lock_dir=d.lock_dir,
+            lock_timeout_s=d.lock_timeout_s,
+        )
+    except DataError as exc:
+        raise ConfigError(f"data: {exc}") from None
+
+
+def check_model_fits(cfg: RunConfig, model: DeepseekV4Config) -> None:
+    """Model-dependent parallel checks: experts per EP rank, layers per pipeline stage."""
+    p = cfg.parallel
+    experts = model.num_moe_experts or 0
+    if experts % p.ep:
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide the model's num_moe_experts={experts} "
+            f"(each EP rank holds experts / ep of them)"
+        )
+    if p.pp > 1 and p.pp_layout is None and model.num_layers < p.pp:
+        raise ConfigError(
+            f"parallel.pp={p.pp} exceeds the model's num_layers={model.num_layers}: every "
+            "pipeline stage needs at least one decoder layer"
+        )
+    if p.pp > 1 or p.pp_layout is not None:
+        from primus_v4.parallel.pipeline import plan_stages
+
+        try:  # the stage plan the pipeline engine will build, checked against the model
+            plan_stages(
+                pp=p.pp,
+                num_layers=model.num_layers,
+                mtp_num_layers=model.mtp_num_layers or 0,
+                layout=p.pp_layout,
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"parallel.pp / parallel.pp_layout: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedRun:
+    """A config checked against the world size and the model, ready to run."""
+
+    cfg: RunConfig
+    sizes: ParallelSizes
+    model: DeepseekV4Config
+    data: PackSpec
+
+    def summary(self) -> dict[str, Any]:
+        """Derived numbers printed next to the config by `--dry-run`."""
+        return {
+            "world_size": self.sizes.world,
+            "dp": self.sizes.dp,
+            "edp": self.sizes.edp,
+            "num_micro_batches": self.sizes.num_micro_batches,
+            "packed": self.cfg.packed,
+            "num_layers": self.model.num_layers,
+            "compress_ratios": list(self.model.compress_ratios),
+            "mtp_num_layers": self.model.mtp_num_layers or 0,
+            "num_moe_experts": self.model.num_moe_experts,
+        }
+
+
+def resolve_run(cfg: RunConfig, world: int | None = None) -> ResolvedRun:
+    """Validate everything that can be validated without data or weights."""
+    sizes = parallel_sizes(cfg, world_size_from_env() if world is None else world)
+    model = model_config(cfg)
+    check_model_fits(cfg, model)
+    return ResolvedRun(cfg=cfg, sizes=sizes, model=model, data=pack_spec(cfg))

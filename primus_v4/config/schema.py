@@ -1,0 +1,263 @@
+"""Run configuration: one typed, kw_only dataclass per concern, validated next to its fields.
+
+YAML is data: `loader.py` turns a file (plus `--set` overrides and `${ENV}` references) into a
+`RunConfig`, rejecting unknown keys and wrong types. Each section checks its own fields in
+`__post_init__`; checks that need two sections live on `RunConfig`; checks that need the world
+size or the model preset live in `resolve.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from primus_v4.errors import ConfigError
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the corpus is and how it becomes rows."""
+
+    path: str = "synthetic"
+    """Corpus: a local json/jsonl/parquet file or directory, a hub name, or `synthetic`."""
+    format: str = "auto"
+    """Row format: `alpaca`, `messages` (chat), or `auto` (detected from the first rows)."""
+    seq_length: int = 512
+    """Tokens per row (pack). Micro-batch rows are always exactly this long."""
+    layout: Literal["thd", "bshd"] = "thd"
+    """`thd`: many samples packed per row (cu_seqlens); `bshd`: one sample per padded row."""
+    algorithm: Literal["ffd", "bfd"] = "ffd"
+    """Packer: first-fit-decreasing or best-fit-decreasing (both deterministic)."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """Samples longer than seq_length: cut to seq_length, or leave out (counted either way)."""
+    tokenizer: str | None = None
+    """Tokenizer dir or tokenizer.json; None = the DeepSeek-V4 tokenizer (offline)."""
+    strict: bool = False
+    """Bad corpus rows become an error naming file and line instead of being counted."""
+    cache_dir: str | None = None
+    """Pack cache directory (node-local by default when None)."""
+    lock_dir: str | None = None
+    """Node-local directory for the build lock (default when None)."""
+    lock_timeout_s: float = 600.0
+    """How long a rank waits for another rank on its node to build the cache."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.path), "data.path", "must not be empty")
+        _require(self.seq_length >= 8, "data.seq_length", f"must be >= 8, got {self.seq_length}")
+        _require(self.lock_timeout_s > 0, "data.lock_timeout_s", "must be > 0")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which DeepSeek-V4 to build."""
+
+    preset: str = "tiny"
+    """A preset file configs/models/<preset>.yaml (DeepseekV4Config fields)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """DeepseekV4Config fields that win over the preset, e.g. {num_layers: 2}."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and activation dtype (float32 on CPU; bfloat16 on GPUs)."""
+    fused_linear_ce: bool = True
+    """Chunked LM-head + cross-entropy: the [S, vocab] logits are never materialized."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Parallel layout. world = pp x cp x dp; experts: world = pp x ep x etp x edp (megatron)."""
+
+    tp: int = 1
+    """Tensor parallel: deliberately absent, must be 1."""
+    pp: int = 1
+    """Pipeline stages."""
+    cp: int = 1
+    """Context parallel ranks: each holds a contiguous 1/cp of every pack."""
+    ep: int = 1
+    """Expert parallel ranks (experts split over ep; laid out over dp x cp, independent of cp)."""
+    etp: int = 1
+    """Expert tensor parallel: absent like tp, must be 1."""
+    pp_layout: str | None = None
+    """Megatron-style stage layout (`E` embedding, `t` layer, `m` MTP, `L` loss, `|` stage
+    boundary, `t*14` repeats), e.g. `Et*14|t*14|t*15mL`; None = an even split."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "ep", "etp"):
+            value = getattr(self, name)
+            _require(value >= 1, f"parallel.{name}", f"must be >= 1, got {value}")
+        _require(
+            self.tp == 1,
+            "parallel.tp",
+            f"tensor parallelism is deliberately absent (got tp={self.tp}; use 1): the single "
+            "KV latent, the indexer scores and the compressed pools have no head axis worth "
+            "sharding, so long context scales with parallel.cp and experts with parallel.ep",
+        )
+        _require(
+            self.etp == 1,
+            "parallel.etp",
+            f"expert tensor parallelism is absent like tp (got etp={self.etp}; use 1): experts "
+            "scale with parallel.ep",
+        )
+        if self.pp_layout is not None:
+            stages = self.pp_layout.count("|") + 1
+            _require(
+                stages == self.pp,
+                "parallel.pp_layout",
+                f"{self.pp_layout!r} has {stages} stages but parallel.pp is {self.pp}",
+            )
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW details (the schedule numbers are in `train`)."""
+
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    offload_fraction: float = 0.0
+    """Fraction of the optimizer state (and its update) kept in host memory, in [0, 1]."""
+
+    def __post_init__(self) -> None:
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            _require(0.0 <= value < 1.0, f"optim.{name}", f"must be in [0, 1), got {value}")
+        _require(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
+        _require(
+            0.0 <= self.offload_fraction <= 1.0,
+            "optim.offload_fraction",
+            f"must be in [0, 1], got {self.offload_fraction}",
+        )
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Steps, batch and learning-rate schedule."""
+
+    steps: int = 30
+    """Optimizer steps to run."""
+    seed: int = 1234
+    """Seeds model init and data order: two runs with the same seed log the same numbers."""
+    global_batch_size: int = 2
+    """Rows per optimizer step over all data-parallel ranks (thd: packs; bshd: samples)."""
+    micro_batch_size: int = 1
+    """Rows per forward; 1 for thd (a pack already holds many samples)."""
+    lr: float = 1e-2
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 1e-3
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 3
+    """Linear warmup steps from 0 to lr."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping (the norm is still logged)."""
+    nan_policy: Literal["error", "skip"] = "error"
+    """Non-finite loss or gradient: stop with an error naming the step, or skip the step."""
+    shuffle: bool = True
+    """Shuffle pack order each epoch (seeded); False keeps the packer's order."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
+        _require(
+            self.global_batch_size >= 1,
+            "train.global_batch_size",
+            f"must be >= 1, got {self.global_batch_size}",
+        )
+        _require(
+            self.micro_batch_size >= 1,
+            "train.micro_batch_size",
+            f"must be >= 1, got {self.micro_batch_size}",
+        )
+        _require(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        _require(
+            0 <= self.min_lr <= self.lr,
+            "train.min_lr",
+            f"must be in [0, train.lr={self.lr}], got {self.min_lr}",
+        )
+        _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        _require(self.clip_grad >= 0, "train.clip_grad", "must be >= 0 (0 disables clipping)")
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    """Where a run writes config.yaml, metrics.jsonl and loss.png."""
+
+    dir: str = "outputs/tiny_cpu_thd"
+    """Run directory (created)."""
+    progress_bar: bool = True
+    """tqdm bar on rank 0 (stderr)."""
+    plot: bool = True
+    """Write loss.png (loss and grad norm vs step) at the end."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.dir), "output.dir", "must not be empty")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Saving and resuming (torch.distributed.checkpoint)."""
+
+    dir: str | None = None
+    """Checkpoint directory; None disables checkpoints."""
+    interval: int = 0
+    """Save every this many steps (and at the end); 0 = only at the end."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in dir when there is one."""
+
+    def __post_init__(self) -> None:
+        _require(self.interval >= 0, "checkpoint.interval", "must be >= 0 (0 = only at the end)")
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "output": OutputConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """A whole run: one field per section. Cross-section rules are checked here."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.layout == "thd":
+            _require(
+                self.train.micro_batch_size == 1,
+                "train.micro_batch_size",
+                f"must be 1 with data.layout=thd (got {self.train.micro_batch_size}): a pack "
+                "already holds many samples; raise train.global_batch_size to accumulate more",
+            )
+        _require(
+            self.train.warmup_steps <= self.train.steps,
+            "train.warmup_steps",
+            f"{self.train.warmup_steps} exceeds train.steps={self.train.steps}",
+        )
+        _require(
+            self.data.seq_length % self.parallel.cp == 0,
+            "data.seq_length",
+            f"{self.data.seq_length} must be divisible by parallel.cp={self.parallel.cp} "
+            "(each CP rank holds a contiguous equal slice of every pack)",
+        )
+
+    @property
+    def packed(self) -> bool:
+        return self.data.layout == "thd"

@@ -1,0 +1,142 @@
+"""Step objective: token-mean over supervised tokens with a denominator summed over the step.
+
+DESIGN.md section 3: the loss of a step is sum(CE over every supervised token of the global
+batch) / (number of those tokens). The count is taken up front from the batches' loss masks and
+summed over micro-batches (and over DP/CP ranks when a group is given), so each micro-batch
+backpropagates `loss_sum / N` and the accumulated gradient equals the one-shot gradient no matter
+how the tokens were split into packs, micro-batches or ranks. MTP depths get the same treatment
+with their own counts; the MoE aux loss (already scaled by its coefficient in the model) is
+averaged over micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from primus_v4.data.thd import ThdBatch
+
+
+def mtp_loss_mask(batch: ThdBatch, depth: int) -> torch.Tensor:
+    """Supervised positions of MTP depth `depth` (1-based), by the model's own shift rule (the
+    mask at t+depth inside t's sample; never another sample's token or padding)."""
+    from primus_v4.models.deepseek_v4.mtp import mtp_streams
+
+    streams = mtp_streams(
+        input_ids_S=batch.input_ids_S,
+        cu_seqlens=batch.cu_seqlens_N1,
+        depth=depth,
+        labels_S=batch.labels_S,
+        loss_mask_S=batch.loss_mask_S,
+        padding_mask_S=batch.padding_mask_S,
+    )
+    assert streams.loss_mask is not None
+    return streams.loss_mask
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenCounts:
+    """Token counts of one optimizer step (denominators and throughput numbers)."""
+
+    supervised: int
+    """Main-loss denominator: supervised tokens of the whole global batch."""
+    mtp: tuple[int, ...] = ()
+    """Per MTP depth: that depth's supervised tokens of the whole global batch."""
+    real: int = 0
+    """Non-padding tokens."""
+    total: int = 0
+    """All row positions (rows x seq_length)."""
+    micro_batches: int = 1
+    """Micro-batches over which the aux loss is averaged (all ranks of the count group)."""
+
+    def as_tensor(self) -> torch.Tensor:
+        values = [self.supervised, *self.mtp, self.real, self.total, self.micro_batches]
+        return torch.tensor(values, dtype=torch.int64)
+
+
+def count_tokens(batches: Sequence[ThdBatch], *, mtp_depths: int) -> TokenCounts:
+    """Counts over this rank's micro-batches of one step, from the loss and padding masks."""
+    mtp = tuple(
+        int(sum(int(mtp_loss_mask(b, d).sum().item()) for b in batches))
+        for d in range(1, mtp_depths + 1)
+    )
+    return TokenCounts(
+        supervised=sum(b.num_supervised for b in batches),
+        mtp=mtp,
+        real=sum(b.num_real for b in batches),
+        total=sum(b.seq_length for b in batches),
+        micro_batches=max(len(batches), 1),
+    )
+
+
+def reduce_counts(counts: TokenCounts, group: Any = None) -> TokenCounts:
+    """Sum the counts over a process group (DP x CP ranks); identity when `group` is None."""
+    if group is None:
+        return counts
+    import torch.distributed as dist
+
+    summed = counts.as_tensor()
+    dist.all_reduce(summed, group=group)
+    values = [int(v) for v in summed.tolist()]
+    depths = len(counts.mtp)
+    return TokenCounts(
+        supervised=values[0],
+        mtp=tuple(values[1 : 1 + depths]),
+        real=values[1 + depths],
+        total=values[2 + depths],
+        micro_batches=values[3 + depths],
+    )
+
+
+@dataclass
+class StepLoss:
+    """Accumulates the reported (detached) loss terms of one step over its micro-batches."""
+
+    counts: TokenCounts
+    mtp_scale: float = 0.1
+    """Weight of the MTP loss in the objective (the model config's mtp_loss_scaling_factor)."""
+    grad_scale: float = 1.0
+    """Multiplies the objective (a wrapper that averages gradients over n ranks sets n)."""
+    loss_sum: float = 0.0
+    mtp_sums: list[float] = field(default_factory=list)
+    aux_sum: float = 0.0
+
+    def objective(self, out: Any) -> torch.Tensor:
+        """This micro-batch's share of the step loss (backward this)."""
+        n = max(self.counts.supervised, 1)  # an all-masked step contributes exactly zero
+        total = out.loss_sum / n
+        depth_sums = list(getattr(out, "mtp_loss_sums", None) or [])
+        if depth_sums:
+            if not self.mtp_sums:
+                self.mtp_sums = [0.0] * len(depth_sums)
+            terms = [s / max(c, 1) for s, c in zip(depth_sums, self.counts.mtp, strict=True)]
+            total = total + self.mtp_scale * torch.stack(terms).mean()
+            for d, s in enumerate(depth_sums):
+                self.mtp_sums[d] += float(s.detach())
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None:
+            total = total + aux / self.counts.micro_batches
+            self.aux_sum += float(aux.detach())
+        self.loss_sum += float(out.loss_sum.detach())
+        return total * self.grad_scale
+
+    def reported(self, group: Any = None) -> dict[str, float]:
+        """loss (token mean), mtp_loss (mean over depths of token means), aux_loss (mean over
+        micro-batches); sums are first added up over `group` (the ranks that share counts)."""
+        sums = [self.loss_sum, self.aux_sum, *self.mtp_sums]
+        if group is not None:
+            import torch.distributed as dist
+
+            packed = torch.tensor(sums, dtype=torch.float64)
+            dist.all_reduce(packed, group=group)
+            sums = packed.tolist()
+        loss_sum, aux_sum, mtp_sums = sums[0], sums[1], sums[2:]
+        mtp = [s / max(c, 1) for s, c in zip(mtp_sums, self.counts.mtp, strict=False)]
+        return {
+            "loss": loss_sum / max(self.counts.supervised, 1),
+            "mtp_loss": sum(mtp) / len(mtp) if mtp else 0.0,
+            "aux_loss": aux_sum / self.counts.micro_batches,
+        }

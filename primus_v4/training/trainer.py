@@ -1,0 +1,320 @@
+"""The SFT loop: packs -> model -> token-normalized loss -> AdamW, one optimizer step at a time.
+
+Per step: the rows of the global batch (BatchSource), their token counts summed over
+micro-batches and data-parallel ranks (the loss denominator, taken up front), one forward and
+backward per micro-batch with that micro-batch's share of the global token-mean loss, gradient
+sum over DP, clip, a finite check, the optimizer step, one metrics row.
+
+Where the parallel pieces plug in (all single-process identities today):
+  * `init_runtime`   process groups from the launcher env (torchrun: gloo / RCCL).
+  * `_parallelize`   model wrapping: pipeline stages, expert sharding, DDP/FSDP.
+  * `_model_inputs`  CP slicing of the pack (rows, global cu_seqlens, MTP streams).
+  * `Runtime.ctx`     the rank's ParallelContext: token-count and gradient reductions.
+  * `_checkpoints`   save / resume (primus_v4.training.checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from primus_v4.config import ResolvedRun, write_resolved
+from primus_v4.data.thd import ThdBatch, to_packed_seq_params
+from primus_v4.errors import PrimusError
+from primus_v4.log import get_logger
+from primus_v4.training.batches import BatchSource, Corpus
+from primus_v4.training.loss import StepLoss, count_tokens, reduce_counts
+from primus_v4.training.metrics import (
+    MetricsWriter,
+    StepMetrics,
+    make_step_metrics,
+    plot_loss,
+    summarize,
+)
+from primus_v4.training.runtime import Runtime, init_runtime
+
+log = get_logger(__name__)
+
+
+def build_corpus(run: ResolvedRun) -> Corpus:
+    """Pack the corpus through the node-local cache (or load the cached packs)."""
+    from primus_v4.data.pipeline import build_or_load
+
+    corpus = build_or_load(run.data)
+    log.info("corpus: %s", {k: corpus.stats[k] for k in list(corpus.stats)[:13]})
+    return corpus
+
+
+def build_model(run: ResolvedRun, device: torch.device) -> nn.Module:
+    """The model, initialized under `train.seed` (same seed -> same weights)."""
+    from primus_v4.models.deepseek_v4 import DeepseekV4Model
+
+    torch.manual_seed(run.cfg.train.seed)
+    model = DeepseekV4Model(run.model)
+    dtype = torch.bfloat16 if run.cfg.model.dtype == "bfloat16" else torch.float32
+    return model.to(device=device, dtype=dtype)
+
+
+def build_optimizer(run: ResolvedRun, model: nn.Module) -> tuple[Any, Any]:
+    """AdamW with linear warmup then cosine decay to min_lr (primus_v4.training.optim)."""
+    from primus_v4.training.optim import build_optimizer as build
+
+    t, o = run.cfg.train, run.cfg.optim
+    return build(
+        model.named_parameters(),
+        lr=t.lr,
+        min_lr=t.min_lr,
+        warmup_steps=t.warmup_steps,
+        total_steps=t.steps,
+        weight_decay=t.weight_decay,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        offload_fraction=o.offload_fraction,
+    )
+
+
+@contextmanager
+def _logging_around(bar: Any) -> Iterator[None]:
+    """Route the package's log lines through tqdm.write while the bar is shown, keeping the
+    handlers' filters (they stamp the rank into every record)."""
+    if bar.disable:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    package = logging.getLogger("primus_v4")
+    filters = [f for h in package.handlers for f in h.filters]
+    with logging_redirect_tqdm(loggers=[package]):
+        for handler in package.handlers:
+            for f in filters:
+                handler.addFilter(f)
+        yield
+
+
+@dataclass
+class TrainResult:
+    rows: list[StepMetrics]
+    summary: dict[str, Any]
+    output_dir: Path
+    skipped_steps: int = 0
+    artifacts: dict[str, Path] = field(default_factory=dict)
+
+
+class NonFiniteError(PrimusError):
+    """Loss or gradient norm became NaN/inf with train.nan_policy=error."""
+
+
+class Trainer:
+    """One run. `corpus` and `model` can be passed in (tests); otherwise they are built."""
+
+    def __init__(
+        self,
+        run: ResolvedRun,
+        *,
+        runtime: Runtime | None = None,
+        corpus: Corpus | None = None,
+        model: nn.Module | None = None,
+    ) -> None:
+        self.run = run
+        self.cfg = run.cfg
+        self.runtime = runtime or init_runtime(run.sizes)
+        self.corpus = corpus if corpus is not None else build_corpus(run)
+        self.source = BatchSource(
+            self.corpus,
+            layout=self.cfg.data.layout,
+            global_batch_size=self.cfg.train.global_batch_size,
+            seed=self.cfg.train.seed,
+            shuffle=self.cfg.train.shuffle,
+        )
+        model = model if model is not None else build_model(run, self.runtime.device)
+        self.model = self._parallelize(model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(run, self.model)
+        self.mtp_depths = int(run.model.mtp_num_layers or 0)
+        self.cp = self._context_parallel()
+        self.mtp_scale = float(run.model.mtp_loss_scaling_factor or 0.0)
+        self.start_step = 0
+        self.skipped_steps = 0
+        self.checkpoints = self._checkpoints()
+
+    def _parallelize(self, model: nn.Module) -> nn.Module:
+        """Pipeline / expert / data-parallel wrapping goes here; one process: unchanged."""
+        return model
+
+    def _context_parallel(self) -> Any:
+        """CP > 1: the splitter that gives this rank its contiguous rows of every pack."""
+        if self.runtime.ctx.cp.size == 1:
+            return None
+        from primus_v4.parallel.context_parallel import CpSplitter
+
+        return CpSplitter(
+            self.runtime.ctx.cp,
+            self.run.model,
+            packed=self.cfg.packed,
+            device=self.runtime.device,
+            seq_length=self.cfg.data.seq_length,
+        )
+
+    def _model_inputs(self, row: ThdBatch) -> dict[str, Any]:
+        """Keyword inputs of one row ([1, S]); THD passes packing metadata, BSHD does not (the
+        padded row is one causal sequence whose trailing padding no real token can see)."""
+        dev = self.runtime.device
+        if self.cp is not None:
+            return self.cp.model_inputs(row)
+        psp = None
+        if self.cfg.packed:
+            psp = to_packed_seq_params(row)
+            psp.cu_seqlens_q = psp.cu_seqlens_q.to(dev)
+            psp.cu_seqlens_kv = psp.cu_seqlens_kv.to(dev)
+        return {
+            "input_ids": row.input_ids_S[None].to(dev),
+            "position_ids": row.position_ids_S[None].to(dev),
+            "packed_seq_params": psp,
+            "labels": row.labels_S[None].to(dev),
+            "loss_mask": row.loss_mask_S[None].to(dev),
+            "padding_mask": row.padding_mask_S[None].to(dev),
+        }
+
+    def forward_backward(self, rows: list[ThdBatch]) -> StepLoss:
+        """Accumulate gradients of the step's global token-mean loss over this rank's rows."""
+        counts = reduce_counts(
+            self.cp.token_counts(rows)
+            if self.cp is not None
+            else count_tokens(rows, mtp_depths=self.mtp_depths),
+            self.runtime.count_group,
+        )
+        step_loss = StepLoss(counts, mtp_scale=self.mtp_scale)
+        for row in rows:
+            out = self.model(**self._model_inputs(row))
+            step_loss.objective(out).backward()
+        if self.runtime.count_group is not None:
+            from primus_v4.parallel.data_parallel import sum_gradients
+
+            sum_gradients(self.params, self.runtime.ctx)
+        return step_loss
+
+    def _clip(self) -> float:
+        """Global grad norm before clipping (clip_grad=0: measured, not clipped)."""
+        max_norm = self.cfg.train.clip_grad or math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        return float(norm)
+
+    def train_step(self, step: int) -> StepMetrics:
+        start = time.perf_counter()
+        rows = self.source.rows(step, dp_rank=self.runtime.dp_rank, dp_size=self.runtime.dp_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        step_loss = self.forward_backward(rows)
+        grad_norm = self._clip()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        losses = step_loss.reported(group=self.runtime.count_group)
+        finite = all(math.isfinite(v) for v in (*losses.values(), grad_norm))
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+        elif self.cfg.train.nan_policy == "skip":
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+        c = step_loss.counts
+        return make_step_metrics(
+            step=step + 1,
+            losses=losses,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=(c.total, c.real, c.supervised),
+            seconds=time.perf_counter() - start,
+        )
+
+    def _checkpoints(self) -> Any:
+        """Interval saves and resume (None when checkpoint.dir is unset)."""
+        ck = self.cfg.checkpoint
+        if ck.dir is None:
+            return None
+        from primus_v4.training.checkpoint import CheckpointManager
+
+        return CheckpointManager(ck.dir, interval=ck.interval, resume=ck.resume)
+
+    def _state(self) -> dict[str, Any]:
+        # The data position is the step itself: BatchSource is a pure function of (seed, step).
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
+
+    def train(self) -> TrainResult:
+        out_dir = Path(self.cfg.output.dir)
+        main = self.runtime.is_main
+        if main:
+            write_resolved(self.cfg, out_dir)
+        if self.checkpoints is not None:
+            self.start_step = self.checkpoints.load_latest(**self._state()) or 0
+        writer = (
+            MetricsWriter(out_dir / "metrics.jsonl", append=self.start_step > 0) if main else None
+        )
+        rows: list[StepMetrics] = []
+        try:
+            self._loop(rows, writer)
+        finally:
+            if writer is not None:
+                writer.close()
+        return self._finish(rows, out_dir)
+
+    def _loop(self, rows: list[StepMetrics], writer: MetricsWriter | None) -> None:
+        from tqdm import tqdm
+
+        steps = self.cfg.train.steps
+        show = self.runtime.is_main and self.cfg.output.progress_bar
+        bar = tqdm(
+            total=steps, initial=self.start_step, disable=not show, unit="step", dynamic_ncols=True
+        )
+        self.model.train()
+        with bar, _logging_around(bar):
+            for step in range(self.start_step, steps):
+                metrics = self.train_step(step)
+                rows.append(metrics)
+                if writer is not None:
+                    writer.write(metrics)
+                log.info(metrics.log_line(steps))
+                bar.set_postfix(loss=f"{metrics.loss:.3f}", refresh=False)
+                bar.update(1)
+                if metrics.nan:
+                    self._on_non_finite(metrics)
+                if self.checkpoints is not None:
+                    self.checkpoints.maybe_save(step + 1, final=step + 1 == steps, **self._state())
+
+    def _on_non_finite(self, metrics: StepMetrics) -> None:
+        if self.cfg.train.nan_policy == "skip":
+            log.warning(
+                "step %d: non-finite loss or gradient; step skipped (%d so far)",
+                metrics.step,
+                self.skipped_steps,
+            )
+            return
+        raise NonFiniteError(
+            f"step {metrics.step}: non-finite loss={metrics.loss} or grad_norm="
+            f"{metrics.grad_norm}; metrics up to this step are in "
+            f"{Path(self.cfg.output.dir) / 'metrics.jsonl'}. Lower train.lr, check the data, or "
+            "set train.nan_policy=skip to skip such steps"
+        )
+
+    def _finish(self, rows: list[StepMetrics], out_dir: Path) -> TrainResult:
+        summary = summarize(rows, skipped=self.skipped_steps)
+        result = TrainResult(rows, summary, out_dir, skipped_steps=self.skipped_steps)
+        if self.runtime.is_main:
+            result.artifacts["metrics"] = out_dir / "metrics.jsonl"
+            result.artifacts["config"] = out_dir / "config.yaml"
+            if self.cfg.output.plot and rows:
+                result.artifacts["plot"] = plot_loss(rows, out_dir / "loss.png")
+            log.info(
+                "done: %d steps, loss first-5 %.4f -> last-5 %.4f, %.1f s",
+                summary["steps"],
+                summary["loss_first_5"],
+                summary["loss_last_5"],
+                summary["total_seconds"],
+            )
+        return result

@@ -1,0 +1,83 @@
+"""Trainer mechanics (artifacts, determinism, NaN policies) on a stand-in model with the
+DeepseekV4Model output contract (the real model runs in test_loss_invariance.py)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from train_fakes import RAGGED_PACKS, FakeCorpus, fake_trainer
+
+from primus_v4.config import load_config
+from primus_v4.training.metrics import read_metrics
+from primus_v4.training.trainer import NonFiniteError, Trainer
+
+METRIC_KEYS = {
+    "step", "loss", "mtp_loss", "aux_loss", "grad_norm", "lr", "real_tokens",
+    "supervised_tokens", "tokens_per_s", "real_tokens_per_s", "supervised_tokens_per_s",
+    "step_seconds", "peak_memory_bytes", "nan",
+}  # fmt: skip
+STEPS = ("train.steps=4", "train.global_batch_size=2", "train.warmup_steps=2")
+
+
+def test_run_writes_config_metrics_and_plot_and_is_deterministic(tmp_path: Path) -> None:
+    trainer = fake_trainer(tmp_path / "a", *STEPS, "train.shuffle=true")
+    first = trainer.train()
+    out = tmp_path / "a" / "run"
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0].keys() >= METRIC_KEYS
+    assert all(r["nan"] is False and math.isfinite(r["loss"]) for r in rows)
+    assert rows[0]["lr"] < rows[1]["lr"]  # warmup
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert (out / "loss.png").stat().st_size > 0
+    assert load_config(out / "config.yaml") == trainer.cfg
+    second = fake_trainer(tmp_path / "b", *STEPS, "train.shuffle=true").train()
+    assert [r.loss for r in first.rows] == [r.loss for r in second.rows]
+    assert [r.grad_norm for r in first.rows] == [r.grad_norm for r in second.rows]
+
+
+def test_token_numbers_per_step(tmp_path: Path) -> None:
+    result = fake_trainer(tmp_path, *STEPS).train()
+    first = result.rows[0]  # packs 0 and 1 (shuffle off)
+    assert first.total_tokens == 2 * 256 and first.real_tokens == 230 + 240
+    corpus = FakeCorpus(RAGGED_PACKS[:4])
+    assert first.supervised_tokens == sum(corpus.thd_batch(i).num_supervised for i in (0, 1))
+
+
+def _poison(trainer: Trainer, step: int) -> None:
+    """Make the forward passes of optimizer step `step` (2 micro-batches) return a NaN loss."""
+    original, calls = trainer.model.forward, [0]
+
+    def forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if 2 * (step - 1) <= calls[0] < 2 * step:
+            out.loss_sum = out.loss_sum * float("nan")
+        calls[0] += 1
+        return out
+
+    trainer.model.forward = forward
+
+
+def test_nan_error_stops_naming_the_step_after_writing_metrics(tmp_path: Path) -> None:
+    trainer = fake_trainer(tmp_path, *STEPS)
+    _poison(trainer, step=2)
+    with pytest.raises(NonFiniteError, match="step 2: non-finite"):
+        trainer.train()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["nan"] for r in rows] == [False, True]
+
+
+def test_nan_skip_counts_and_continues(tmp_path: Path) -> None:
+    trainer = fake_trainer(tmp_path, *STEPS, "train.nan_policy=skip")
+    _poison(trainer, step=2)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    result = trainer.train()
+    assert [r.nan for r in result.rows] == [False, True, False, False]
+    assert result.summary["skipped_steps"] == 1 and trainer.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert any(
+        not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True)
+    )
