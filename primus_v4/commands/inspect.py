@@ -100,12 +100,37 @@ def _describe(path: Path, *, verify: bool) -> dict:
     }
 
 
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("preset", help="model preset name (configs/models/<preset>.yaml)")
+    parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+
+
+def _model_run(args: argparse.Namespace) -> int:
+    from primus_v4.models.deepseek_v4 import DeepseekV4Config, param_counts
+
+    cfg = DeepseekV4Config.preset(args.preset)
+    counts = param_counts(cfg)
+    kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
+    if args.json:
+        print(json.dumps({"preset": args.preset, "layer_kinds": kinds, **counts}))
+        return 0
+    print(
+        f"{args.preset}: {cfg.num_layers} layers ({kinds.count('dense')} dense, "
+        f"{kinds.count('csa')} CSA, {kinds.count('hca')} HCA) + {cfg.mtp_num_layers} MTP, "
+        f"hidden {cfg.hidden_size}, {cfg.num_moe_experts} experts top-{cfg.moe_router_topk}"
+    )
+    for name, value in counts.items():
+        print(f"  {name:<20} {value:>20,}")
+    return 0
+
+
 # view name -> (help, add_arguments, run)
 VIEWS: dict[
     str,
     tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]],
 ] = {
     "cache": ("list pack cache entries: key, stats, size", _cache_arguments, _cache_run),
+    "model": ("parameter counts of a model preset by component", _model_arguments, _model_run),
 }
 
 
