@@ -57,6 +57,12 @@ def _sum_over(grads: list[torch.Tensor], axis: Axis) -> None:
 @torch.no_grad()
 def sum_gradients(params: list[nn.Parameter], ctx: ParallelContext) -> None:
     """Sum gradients over the replicas of each parameter (see the module docstring)."""
+    for p in params:
+        if p.grad is None and is_expert_param(p) and p.requires_grad:
+            # A shard whose experts got no tokens on this rank has no gradient; zeros keep the
+            # replicas' buckets alike and give it the optimizer step its unsharded original
+            # (whose other experts always get tokens) takes.
+            p.grad = torch.zeros_like(p)
     replicated = [p.grad for p in params if p.grad is not None and not is_expert_param(p)]
     experts = [p.grad for p in params if p.grad is not None and is_expert_param(p)]
     _sum_over(replicated, ctx.dp_cp)

@@ -97,8 +97,9 @@ class AllToAllDispatcher:
 def shard_moe(moe: nn.Module, ep: Axis) -> None:
     """Keep this rank's experts of `moe` (weights [E, ...] -> [L, ...]) and dispatch over `ep`.
 
-    Sharded parameters are tagged `expert_parallel = True`: their gradients are averaged over
-    the expert-data-parallel group, not over DP x CP like the replicated ones.
+    Sharded parameters are tagged `expert_parallel = True`: their gradients are summed over
+    the expert-data-parallel group, not over DP x CP like the replicated ones; `expert_group`
+    (the EP group) lets checkpoints store them as shards of one global [E, ...] tensor.
     """
     if ep.size == 1:
         return
@@ -109,6 +110,8 @@ def shard_moe(moe: nn.Module, ep: Axis) -> None:
         full = getattr(moe, name)
         local = nn.Parameter(full.detach()[lo : lo + dispatcher.num_local].clone())
         local.expert_parallel = True  # type: ignore[attr-defined]
+        # Checkpoints save the shard as rows [lo, lo + L) of the global [E, ...] tensor.
+        local.expert_group = ep.group  # type: ignore[attr-defined]
         setattr(moe, name, local)
     moe.dispatcher = dispatcher
 

@@ -13,6 +13,13 @@ The directory must be on a filesystem every rank sees (shared storage for multi-
 
 Per-rank values (RNG states, data position) are stored under a `rank{r}` key, because DCP saves
 one copy of every key it believes replicated. Resume expects the same world size.
+
+Expert-parallel shards (parameters tagged by `parallel.expert_parallel.shard_moe`) have the same
+local name on every EP rank but different rows; they and their optimizer moments are saved as
+DTensors sharded on dim 0 over the EP group, so the checkpoint holds each global [E, ...] tensor
+once (EP replicas over expert-DP are deduplicated like any replicated key) and a load hands every
+rank its own rows back. Pipeline stages need nothing special: their parameter names are disjoint
+except the MTP copy of the embedding, which is identical on both stages.
 """
 
 from __future__ import annotations
@@ -33,13 +40,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from primus_v4.errors import PrimusError
 from primus_v4.log import get_logger
 
 log = get_logger(__name__)
 
+# Flat optimizer keys ("state.<param>.exp_avg", "param_groups.<param>.lr"): with the nested form,
+# pipeline stages would write different `param_groups` lists under one key and DCP keeps one.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 
@@ -121,9 +135,10 @@ def _train_state(
         # DCP warns about features (e.g. sharded tensors) this code does not use.
         warnings.simplefilter("ignore")
         if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
         else:
-            model_sd, optim_sd = get_state_dict(model, []), {}
+            model_sd, optim_sd = get_state_dict(model, [], options=_OPTIONS), {}
+    _experts_as_dtensors(model, model_sd, optim_sd)
     per_rank: dict[str, Any] = {"rng": _rng_state()}
     if data is not None:
         per_rank["data"] = data.state_dict()
@@ -134,6 +149,44 @@ def _train_state(
         "scheduler": scheduler.state_dict() if scheduler is not None else {},
         f"rank{_rank()}": per_rank,
     }
+
+
+def _experts_as_dtensors(
+    model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any]
+) -> None:
+    """Wrap expert-parallel shards (and their optimizer moments) as dim-0 DTensor shards."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    meshes: dict[int, DeviceMesh] = {}
+    for name, p in model.named_parameters():
+        group = getattr(p, "expert_group", None)
+        if group is None or name not in model_sd:
+            continue
+        if id(group) not in meshes:
+            meshes[id(group)] = DeviceMesh.from_group(group, p.device.type)
+        mesh = meshes[id(group)]
+
+        def shard(t: Any, p: torch.Tensor = p, mesh: DeviceMesh = mesh) -> Any:
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                return t  # AdamW's step counter: a replicated scalar
+            return DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+
+        model_sd[name] = shard(model_sd[name])
+        prefix = f"state.{name}."  # flat optimizer keys (see _OPTIONS)
+        for key in [k for k in optim_sd if k.startswith(prefix)]:
+            optim_sd[key] = shard(optim_sd[key])
+
+
+def _local_tensors(tree: Any) -> Any:
+    """DTensor shards back to this rank's plain tensors (what set_state_dict expects)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: _local_tensors(v) for k, v in tree.items()}
+    return tree
 
 
 def save(
@@ -243,8 +296,9 @@ def load_latest(
         set_state_dict(
             model,
             optimizer if optimizer is not None else [],
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
+            model_state_dict=_local_tensors(state["model"]),
+            optim_state_dict=_local_tensors(state["optim"]),
+            options=_OPTIONS,
         )
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])

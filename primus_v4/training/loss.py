@@ -72,13 +72,22 @@ def count_tokens(batches: Sequence[ThdBatch], *, mtp_depths: int) -> TokenCounts
     )
 
 
+def _comm_device(group: Any) -> torch.device:
+    """Where a small tensor must live to be all-reduced over `group` (RCCL/NCCL: the GPU)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def reduce_counts(counts: TokenCounts, group: Any = None) -> TokenCounts:
     """Sum the counts over a process group (DP x CP ranks); identity when `group` is None."""
     if group is None:
         return counts
     import torch.distributed as dist
 
-    summed = counts.as_tensor()
+    summed = counts.as_tensor().to(_comm_device(group))
     dist.all_reduce(summed, group=group)
     values = [int(v) for v in summed.tolist()]
     depths = len(counts.mtp)
@@ -130,7 +139,7 @@ class StepLoss:
         if group is not None:
             import torch.distributed as dist
 
-            packed = torch.tensor(sums, dtype=torch.float64)
+            packed = torch.tensor(sums, dtype=torch.float64, device=_comm_device(group))
             dist.all_reduce(packed, group=group)
             sums = packed.tolist()
         loss_sum, aux_sum, mtp_sums = sums[0], sums[1], sums[2:]

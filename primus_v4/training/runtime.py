@@ -13,14 +13,10 @@ from typing import Any
 import torch
 
 from primus_v4.config.resolve import ParallelSizes
-from primus_v4.errors import PrimusError
 from primus_v4.log import get_logger
 from primus_v4.parallel.groups import ParallelContext, ParallelDims, destroy_parallel, init_parallel
 
 log = get_logger(__name__)
-
-# Axes whose trainer wiring (model wrapping, row slicing) is not in this trainer yet.
-_NOT_WIRED = ("pp", "ep")
 
 
 @dataclass(kw_only=True)
@@ -74,13 +70,6 @@ def init_runtime(sizes: ParallelSizes) -> Runtime:
     """Start (or join) the process groups described by the launcher's environment."""
     if sizes.world == 1:
         return Runtime(ctx=ParallelContext.single(_local_device()), sizes=sizes)
-    unwired = [f"{a}={getattr(sizes, a)}" for a in _NOT_WIRED if getattr(sizes, a) > 1]
-    if unwired:
-        raise PrimusError(
-            f"{', '.join(unwired)}: the trainer runs data parallel only so far; pipeline "
-            "and expert parallel plug in at Trainer._parallelize. "
-            "Use parallel.pp=parallel.ep=1 with torchrun for now"
-        )
     import torch.distributed as dist
 
     owns = not dist.is_initialized()
