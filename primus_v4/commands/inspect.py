@@ -59,8 +59,13 @@ def _cache_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# Stats that describe one `pack` call rather than the cache entry.
+_PER_CALL_STATS = ("cache_key", "cache_hit", "build_seconds")
+
+
 def _describe(path: Path, *, verify: bool) -> dict:
     from primus_v4.data import cache
+    from primus_v4.data.pipeline import STATS_KEYS
 
     key = path.name.removeprefix("pack-")
     try:
@@ -83,20 +88,7 @@ def _describe(path: Path, *, verify: bool) -> dict:
         "seq_length": manifest.get("seq_length"),
         "algorithm": fields.get("algorithm"),
         "key_fields": fields,
-        **{
-            k: stats.get(k)
-            for k in (
-                "num_samples",
-                "num_packs",
-                "real_tokens",
-                "supervised_tokens",
-                "real_fraction",
-                "supervised_fraction",
-                "truncated",
-                "dropped",
-                "bad_rows",
-            )
-        },
+        **{k: stats.get(k) for k in STATS_KEYS if k not in _PER_CALL_STATS},
     }
 
 

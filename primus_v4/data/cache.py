@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from primus_v4.durable import fsync_dir
 from primus_v4.errors import DataError
 from primus_v4.log import get_logger
 
@@ -111,14 +112,6 @@ def node_lock(path: Path, *, timeout_s: float, key: str) -> Iterator[None]:
         lock.release()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -183,7 +176,7 @@ def publish(
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(temp)
+        fsync_dir(temp)
         final = entry_dir(cache_dir, key)
         try:
             os.rename(temp, final)
@@ -199,7 +192,7 @@ def publish(
             except CacheInvalid:
                 discard(final)
                 os.rename(temp, final)
-        _fsync_dir(cache_dir)
+        fsync_dir(cache_dir)
     except OSError as exc:
         shutil.rmtree(temp, ignore_errors=True)
         raise DataError(f"cannot write the pack cache under {cache_dir}: {exc}") from exc

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from primus_v4.durable import fsync_dir, write_durable
 from primus_v4.errors import PrimusError
 from primus_v4.log import get_logger
 
@@ -83,25 +84,6 @@ def _single_process_ok() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durable(path: Path, text: str) -> None:
-    """Write `text` to a temp file, fsync it, then os.replace it over `path`."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -223,8 +205,8 @@ def save(
 
 def _publish(root: Path, tmp: Path, final: Path, step: int) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
-    _write_durable(tmp / COMPLETE, json.dumps({"step": step, "world_size": world}) + "\n")
-    _fsync_dir(tmp)
+    write_durable(tmp / COMPLETE, json.dumps({"step": step, "world_size": world}) + "\n")
+    fsync_dir(tmp)
     if final.exists():  # the same step saved again (e.g. a rerun without resume)
         trash = root / f".trash_{final.name}_{os.getpid()}"
         os.replace(final, trash)
@@ -232,8 +214,8 @@ def _publish(root: Path, tmp: Path, final: Path, step: int) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(root)
-    _write_durable(root / LATEST, final.name + "\n")
+    fsync_dir(root)
+    write_durable(root / LATEST, final.name + "\n")
 
 
 def _is_complete(path: Path) -> bool:
