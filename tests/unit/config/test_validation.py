@@ -51,15 +51,16 @@ def test_parallel_sizes_against_world_size() -> None:
     with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide dp x cp = 1 x 2 = 2"):
         resolve_run(load_config(overrides=["parallel.cp=2", "parallel.ep=4"]), world=2)
     with pytest.raises(ConfigError, match=r"global_batch_size=2 .* 1 x 8 = 8"):
-        resolve_run(load_config(), world=8)
+        resolve_run(load_config(overrides=["train.global_batch_size=2"]), world=8)
 
 
 def test_world_size_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    gbs2 = ["train.global_batch_size=2"]
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"global_batch_size=2 .* 1 x 3 = 3"):
-        resolve_run(load_config())
+        resolve_run(load_config(overrides=gbs2))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert resolve_run(load_config()).sizes.dp == 2
+    assert resolve_run(load_config(overrides=gbs2)).sizes.dp == 2
 
 
 def test_model_checks() -> None:
