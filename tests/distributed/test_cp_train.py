@@ -17,7 +17,13 @@ from harness import free_port
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "runs" / "tiny_cpu_thd.yaml"
 # The tiny run at seq 512 (256 rows per rank >= the 128 boundary rows), 2 packs, 3 steps, quiet.
-SETTINGS = ["data.seq_length=512", "train.global_batch_size=2", "train.steps=3", "output.progress_bar=false", "output.plot=false"]
+SETTINGS = [
+    "data.seq_length=512",
+    "train.global_batch_size=2",
+    "train.steps=3",
+    "output.progress_bar=false",
+    "output.plot=false",
+]
 
 
 def _train(out: Path, cache: Path, cp: int, world: int) -> list[dict]:
