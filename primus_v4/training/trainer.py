@@ -210,6 +210,12 @@ class Trainer:
             for row in rows:
                 out = self.model(**self._model_inputs(row))
                 step_loss.objective(out).backward()
+        for p in self.params:
+            if p.requires_grad and p.grad is None:
+                # As with megatron's contiguous grad buffer, every trainable parameter has a
+                # gradient (zeros when no token reached it, e.g. an expert nobody routed to):
+                # replicas reduce identical buckets and AdamW state is complete for checkpoints.
+                p.grad = torch.zeros_like(p)
         if self.runtime.count_group is not None:
             from primus_v4.parallel.data_parallel import sum_gradients
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_fakes import RAGGED_PACKS, FakeCorpus, fake_trainer
+from train_fakes import RAGGED_PACKS, FakeCorpus, FakeLM, fake_trainer
 
 from primus_v4.config import load_config
 from primus_v4.training.metrics import read_metrics
@@ -81,3 +81,28 @@ def test_nan_skip_counts_and_continues(tmp_path: Path) -> None:
     assert any(
         not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True)
     )
+
+
+class _IdleParamLM(FakeLM):
+    """FakeLM plus a trainable parameter that no loss term ever reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.idle = torch.nn.Parameter(torch.ones(4))
+
+
+def test_parameter_without_gradient_checkpoints_and_resumes(tmp_path: Path) -> None:
+    from train_fakes import tiny_run
+
+    settings = (*STEPS, f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=2")
+    first = Trainer(tiny_run(tmp_path, *settings), corpus=FakeCorpus(RAGGED_PACKS[:4]),
+                    model=_IdleParamLM())  # fmt: skip
+    first.train()
+    # A zero gradient leaves the idle parameter where it was (AdamW update 0 / (0 + eps)).
+    assert torch.equal(first.model.idle.detach(), torch.ones(4))
+    second = Trainer(tiny_run(tmp_path, *settings), corpus=FakeCorpus(RAGGED_PACKS[:4]),
+                     model=_IdleParamLM())  # fmt: skip
+    second.train()  # loads the step-4 checkpoint, optimizer state of `idle` included
+    assert torch.equal(second.model.idle.detach(), torch.ones(4))
+    for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True):
+        assert torch.equal(a, b)
