@@ -12,15 +12,19 @@ raised in the parent; a rank that dies without reporting (segfault, SIGKILL) or 
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 
@@ -123,3 +127,38 @@ def _check_alive(procs: list[Any], done: dict[int, Any], deadline: float) -> Non
     if time.monotonic() > deadline:
         missing = [r for r in range(len(procs)) if r not in done]
         raise RankFailed(f"ranks {missing} did not finish before the timeout")
+
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_CONFIG = REPO / "configs" / "runs" / "tiny_cpu_thd.yaml"
+# The tiny run at seq 512 (256 rows per rank at CP 2 >= the 128 boundary rows), 2 packs a step,
+# 3 steps, quiet: small enough for 4 gloo ranks on 2 cores.
+TINY_SETTINGS = (
+    "data.seq_length=512",
+    "train.global_batch_size=2",
+    "train.steps=3",
+    "output.progress_bar=false",
+    "output.plot=false",
+)
+
+
+def train_metrics(out: Path, cache: Path, world: int, *settings: str) -> list[dict]:
+    """Run `primus-v4 train` on the tiny config (torchrun with `world` gloo processes when
+    world > 1) writing to `out`, and return its metrics.jsonl rows."""
+    items = [*TINY_SETTINGS, *settings, f"output.dir={out}"]
+    module = ["-m", "primus_v4", "train", "--config", str(TINY_CONFIG)]
+    module += [a for s in items for a in ("--set", s)]
+    launcher = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world)]
+    launcher += ["--master_port", str(free_port())]
+    cmd = [sys.executable, *(launcher if world > 1 else []), *module]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",  # up to 4 ranks share 2 cores
+        "PRIMUS_PACK_CACHE_DIR": str(cache / "packs"),
+        "PRIMUS_PACK_LOCK_DIR": str(cache / "locks"),
+    }
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -5,48 +5,14 @@ gradients summed over DP x CP.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from harness import free_port
-
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "configs" / "runs" / "tiny_cpu_thd.yaml"
-# The tiny run at seq 512 (256 rows per rank >= the 128 boundary rows), 2 packs, 3 steps, quiet.
-SETTINGS = [
-    "data.seq_length=512",
-    "train.global_batch_size=2",
-    "train.steps=3",
-    "output.progress_bar=false",
-    "output.plot=false",
-]
+from harness import train_metrics
 
 
 def _train(out: Path, cache: Path, cp: int, world: int) -> list[dict]:
-    settings = [*SETTINGS, f"parallel.cp={cp}", f"output.dir={out}"]
-    args = [a for s in settings for a in ("--set", s)]
-    module = ["-m", "primus_v4", "train", "--config", str(CONFIG), *args]
-    if world == 1:
-        cmd = [sys.executable, *module]
-    else:
-        launcher = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world)]
-        cmd = [sys.executable, *launcher, "--master_port", str(free_port()), *module]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",  # 2 ranks share 2 cores with other test runs
-        "PRIMUS_PACK_CACHE_DIR": str(cache / "packs"),
-        "PRIMUS_PACK_LOCK_DIR": str(cache / "locks"),
-    }
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return train_metrics(out, cache, world, f"parallel.cp={cp}")
 
 
 def test_train_cp2_logs_the_same_metrics_as_cp1(tmp_path: Path) -> None:

@@ -7,48 +7,17 @@ replicated over expert-DP under EP): the resumed step 3 equals the uninterrupted
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from harness import free_port
+from harness import train_metrics
 
 from primus_v4.training.checkpoint import LATEST, step_dir
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "configs" / "runs" / "tiny_cpu_thd.yaml"
-# The tiny run at seq 512 (256 rows per CP rank >= the 128 boundary rows), 2 packs a step.
-SETTINGS = [
-    "data.seq_length=512",
-    "train.global_batch_size=2",
-    "train.steps=3",
-    "output.progress_bar=false",
-    "output.plot=false",
-]
-
 
 def _train(out: Path, cache: Path, world: int, *parallel: str) -> list[dict]:
-    settings = [*SETTINGS, *parallel, f"output.dir={out}"]
-    args = [a for s in settings for a in ("--set", s)]
-    module = ["-m", "primus_v4", "train", "--config", str(CONFIG), *args]
-    launcher = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world)]
-    launcher += ["--master_port", str(free_port())]
-    cmd = [sys.executable, *(launcher if world > 1 else []), *module]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",  # 4 ranks share 2 cores with other test runs
-        "PRIMUS_PACK_CACHE_DIR": str(cache / "packs"),
-        "PRIMUS_PACK_LOCK_DIR": str(cache / "locks"),
-    }
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return train_metrics(out, cache, world, *parallel)
 
 
 @pytest.fixture(scope="module")
