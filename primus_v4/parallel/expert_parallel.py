@@ -100,6 +100,7 @@ def shard_moe(moe: nn.Module, ep: Axis) -> None:
     Sharded parameters are tagged `expert_parallel = True`: their gradients are summed over
     the expert-data-parallel group, not over DP x CP like the replicated ones; `expert_group`
     (the EP group) lets checkpoints store them as shards of one global [E, ...] tensor.
+    On the meta device the shard is shapes only; `init_weights` later draws its own experts.
     """
     if ep.size == 1:
         return
@@ -113,6 +114,7 @@ def shard_moe(moe: nn.Module, ep: Axis) -> None:
         # Checkpoints save the shard as rows [lo, lo + L) of the global [E, ...] tensor.
         local.expert_group = ep.group  # type: ignore[attr-defined]
         setattr(moe, name, local)
+    moe.expert_offset = lo  # init draws expert i of the shard as global expert lo + i
     moe.dispatcher = dispatcher
 
 

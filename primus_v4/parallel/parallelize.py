@@ -1,8 +1,11 @@
 """Turn one rank's freshly built model into its parallel form: pipeline stage, then experts.
 
-Order matters: the pipeline cut keeps only this stage's layers (moved, not copied, from a model
-built with the run's seed, so every layout starts from the same weights as one process), then
-expert parallelism slices the remaining MoE layers to this rank's experts [E/ep, ...].
+Order matters: the pipeline cut keeps only this stage's layers (moved, not copied), then expert
+parallelism slices the remaining MoE layers to this rank's experts [E/ep, ...]. The model is
+normally built on the meta device (a 290B-parameter model fits no rank), so both cuts are
+shape-only and `materialize` then allocates and initializes just what the rank keeps. Every
+parameter draws from a generator of (seed, its name), experts from (seed, name, expert index),
+so each layout starts from exactly the weights of the one-process model.
 Data parallel (DP x CP) needs no wrapper: gradients are summed explicitly after backward
 (`data_parallel.sum_gradients`), because the loss is already normalized by global token counts.
 """
@@ -36,9 +39,13 @@ def parallelize(
     pp_layout: str | None,
     packed: bool,
     device: torch.device,
+    seed: int | None = None,
 ) -> Parallelized:
-    """Apply pipeline and expert parallelism of `ctx` to a full DeepseekV4Model."""
+    """Apply pipeline and expert parallelism of `ctx` to a full DeepseekV4Model; a meta-device
+    model is materialized on `device` afterwards under `seed` (see `materialize`)."""
     if ctx.pp.size == 1 and ctx.ep.size == 1:
+        if is_meta(model):
+            materialize(model, device=device, seed=seed)
         return Parallelized(model=model)
     from primus_v4.models.deepseek_v4 import DeepseekV4Model
 
@@ -47,10 +54,9 @@ def parallelize(
             f"parallel.pp={ctx.pp.size} / parallel.ep={ctx.ep.size} need a DeepseekV4Model, "
             f"got {type(model).__name__}"
         )
-    runner = None
+    spec = None
     if ctx.pp.size > 1:
         from primus_v4.parallel.pipeline import plan_stages
-        from primus_v4.parallel.pipeline_schedule import PipelineRunner
         from primus_v4.parallel.pipeline_stage import build_stage
 
         cfg = model.cfg
@@ -62,7 +68,6 @@ def parallelize(
         )
         spec = specs[ctx.pp.rank]
         model = build_stage(model, spec, packed=packed)
-        runner = PipelineRunner(model, ctx, device=device)
         log.info("pipeline stage %d/%d: %s", spec.index, ctx.pp.size, spec.symbols)
     if ctx.ep.size > 1:
         from primus_v4.parallel.expert_parallel import apply_expert_parallel
@@ -70,4 +75,31 @@ def parallelize(
         layers = apply_expert_parallel(model, ctx.ep)
         log.info("expert parallel: %d MoE layers hold %d of their experts each", layers,
                  model.cfg.num_moe_experts // ctx.ep.size)  # fmt: skip
+    if is_meta(model):
+        materialize(model, device=device, seed=seed)
+    runner = None
+    if spec is not None:
+        from primus_v4.parallel.pipeline_schedule import PipelineRunner
+
+        runner = PipelineRunner(model, ctx, device=device)
     return Parallelized(model=model, pipeline=runner)
+
+
+def is_meta(model: nn.Module) -> bool:
+    """Whether `model` holds meta (shape-only) parameters."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def materialize(model: nn.Module, *, device: torch.device, seed: int | None) -> None:
+    """Allocate `model`'s meta parameters and buffers on `device`, then `init_weights(seed)`.
+
+    `to_empty` replaces the Parameter objects, so the tags set while cutting (expert_parallel,
+    expert_group, ...) are carried over to the new ones by name.
+    """
+    tags = {name: dict(p.__dict__) for name, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        p.__dict__.update(tags[name])
+    model.init_weights(seed)  # type: ignore[operator]
+    log.info("materialized %d parameters on %s", sum(p.numel() for p in model.parameters()),
+             device)  # fmt: skip

@@ -179,5 +179,6 @@ def build_stage(
     packed: bool = True,
     comm: SeqComm | None = None,
 ) -> PipelineStageModel:
-    """This rank's stage of `full` (built with the run's seed, so stages start like PP = 1)."""
+    """This rank's stage of `full`: on the meta device shapes only, then `init_weights(seed)`
+    gives each kept parameter its one-process value (parameter names equal the full model's)."""
     return PipelineStageModel(full, spec, packed=packed, comm=comm)

@@ -55,14 +55,17 @@ def build_corpus(run: ResolvedRun) -> Corpus:
     return corpus
 
 
-def build_model(run: ResolvedRun, device: torch.device) -> nn.Module:
-    """The model, initialized under `train.seed` (same seed -> same weights)."""
+def build_model(run: ResolvedRun) -> nn.Module:
+    """The whole model on the meta device: shapes only, nothing allocated or drawn. The rank
+    keeps its stage and expert shard and materializes only those under `train.seed`
+    (`Trainer._parallelize`; same seed -> same weights in every layout)."""
     from primus_v4.models.deepseek_v4 import DeepseekV4Model
 
-    torch.manual_seed(run.cfg.train.seed)
-    model = DeepseekV4Model(run.model)
+    torch.manual_seed(run.cfg.train.seed)  # the run's RNG state; weights draw from their own
+    with torch.device("meta"):
+        model = DeepseekV4Model(run.model)
     dtype = torch.bfloat16 if run.cfg.model.dtype == "bfloat16" else torch.float32
-    return model.to(device=device, dtype=dtype)
+    return model.to(dtype=dtype)
 
 
 def build_optimizer(run: ResolvedRun, model: nn.Module) -> tuple[Any, Any]:
@@ -136,7 +139,7 @@ class Trainer:
             seed=self.cfg.train.seed,
             shuffle=self.cfg.train.shuffle,
         )
-        model = model if model is not None else build_model(run, self.runtime.device)
+        model = model if model is not None else build_model(run)
         self.model = self._parallelize(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(run, self.model)
@@ -157,6 +160,7 @@ class Trainer:
             pp_layout=self.cfg.parallel.pp_layout,
             packed=self.cfg.packed,
             device=self.runtime.device,
+            seed=self.cfg.train.seed,
         )
         self.pipeline: Any = done.pipeline
         return done.model

@@ -66,3 +66,14 @@ def test_group_memberships_match_megatron_layout() -> None:
         assert seen["dp_cp"] == [0, 1, 2, 3]
         assert seen["ep_sum"] == sum(seen["ep"]) and seen["dp_cp_sum"] == 6.0
         assert seen["grads"] == (10.0, sum(seen["expert_dp"]) + 2.0)  # 1+2+3+4; expert-DP pair
+
+
+def _one_rank(rank: int, world: int) -> tuple:
+    ctx = init_parallel(ParallelDims(world=world), backend="gloo")
+    seen = (ctx.dp.ranks, ctx.ep.size, ctx.dp_cp_group is not None)
+    destroy_parallel()
+    return seen
+
+
+def test_one_rank_gets_trivial_groups() -> None:
+    assert run_ranks(_one_rank, 1, timeout_s=60) == [((0,), 1, True)]

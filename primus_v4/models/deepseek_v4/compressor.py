@@ -129,6 +129,13 @@ class Compressor(nn.Module):
         self._pool = kernels.resolve("compressor_pool")
 
     @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the rotation in place (after `to_empty` from the meta device)."""
+        if self.rotate:
+            with torch.device("cpu"):
+                self.hadamard.copy_(hadamard_matrix(self.dim))
+
+    @torch.no_grad()
     def init_weights(self, std: float) -> None:
         """The position bias starts at 0, so a fresh gate weighs window rows by content only."""
         del std

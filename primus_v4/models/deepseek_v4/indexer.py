@@ -62,6 +62,12 @@ class Indexer(nn.Module):
         self._topk = kernels.resolve("indexer_topk")
 
     @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the rotation in place (after `to_empty` from the meta device)."""
+        with torch.device("cpu"):
+            self.hadamard.copy_(hadamard_matrix(self.head_dim))
+
+    @torch.no_grad()
     def forward(
         self,
         x_TD: torch.Tensor,

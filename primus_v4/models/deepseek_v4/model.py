@@ -19,6 +19,7 @@ from torch import nn
 from primus_v4.models.deepseek_v4.block import Block, run_block
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.hyper_connection import HyperHead, lift_streams
+from primus_v4.models.deepseek_v4.init import init_buffers, init_parameters
 from primus_v4.models.deepseek_v4.layout import LocalComm, RowLayout, SeqComm
 from primus_v4.models.deepseek_v4.loss import chunked_linear_ce
 from primus_v4.models.deepseek_v4.moe import Dispatcher, RoutingInputs
@@ -70,7 +71,11 @@ def build_layout(rows: int, packed_seq_params: object | None, comm: SeqComm | No
 
 
 class DeepseekV4Model(nn.Module):
-    """The whole model on one pipeline stage (float32 on the current device by default)."""
+    """The whole model on one pipeline stage (float32 on the current device by default).
+
+    Built under `torch.device("meta")` it allocates nothing and draws nothing: a rank cuts its
+    stage and expert shard there, then `to_empty` + `init_weights(seed)` materialize only those.
+    """
 
     def __init__(
         self,
@@ -78,6 +83,7 @@ class DeepseekV4Model(nn.Module):
         *,
         dispatcher: Dispatcher | None = None,
         activation_checkpointing: bool | None = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -99,21 +105,19 @@ class DeepseekV4Model(nn.Module):
         )
         for depth in self.mtp:
             depth.checkpoint = activation_checkpointing
-        self.init_weights()
+        if not self.embedding.weight.is_meta:
+            self.init_weights(seed)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """The one place weights are initialized: N(0, init_method_std) for every matrix and
-        embedding, then each module's own `init_weights` (norm scales 1, mHC biases 0, ...)."""
-        std = self.cfg.init_method_std
-        for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        for module in self.modules():
-            if module is not self and callable(getattr(module, "init_weights", None)):
-                module.init_weights(std)
+    def init_weights(self, seed: int | None = None) -> None:
+        """The one place weights are initialized (also of a stage or an expert shard): each
+        parameter N(0, init_method_std) from a generator of (seed, its name), or its constant
+        (norm scales 1, mHC biases 0, ...; see `init.py`); then the config-derived buffers.
+
+        seed None: `torch.initial_seed()`, i.e. the seed of the last `torch.manual_seed`."""
+        seed = torch.initial_seed() if seed is None else seed
+        init_parameters(self, seed=seed, std=self.cfg.init_method_std)
+        init_buffers(self)
 
     def forward(
         self,

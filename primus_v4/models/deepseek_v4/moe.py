@@ -121,16 +121,23 @@ class Router(nn.Module):
         # float32 gate: routing decisions flip on small logit differences.
         self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size))
         self.hashed = hashed
+        self.vocab_size, self.hash_seed = cfg.vocab_size, cfg.hash_seed + layer_idx
         if hashed:
             # One table per hash layer (seed offset by layer) so the first layers do not all
             # send a token to the same experts. A buffer, never trained, saved with the model.
             if self.weight.is_meta:  # shape-only model (parameter counting): no table to draw
                 table = torch.empty(cfg.vocab_size, self.topk, dtype=torch.int32, device="meta")
             else:
-                seed = cfg.hash_seed + layer_idx
-                table = hash_table(cfg.vocab_size, self.num_experts, self.topk, seed)
+                table = hash_table(cfg.vocab_size, self.num_experts, self.topk, self.hash_seed)
                 table = table.to(self.weight.device)  # drawn on CPU: same table on every device
             self.register_buffer("tid2eid", table)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Redraw the hash table in place (after `to_empty` from the meta device)."""
+        if self.hashed:
+            table = hash_table(self.vocab_size, self.num_experts, self.topk, self.hash_seed)
+            self.tid2eid.copy_(table)
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.weight, std=std)

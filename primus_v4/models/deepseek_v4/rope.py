@@ -63,7 +63,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, *, compressed: bool) -> None:
         super().__init__()
         self.rope_dim = cfg.qk_pos_emb_head_dim
-        if compressed:
+        self._cfg, self._compressed = cfg, compressed
+        # Derived from the config, so not saved in checkpoints.
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        cfg = self._cfg
+        if self._compressed:
             inv = rope_inv_freq(
                 self.rope_dim,
                 cfg.compress_rope_theta,
@@ -74,8 +80,13 @@ class RotaryEmbedding(nn.Module):
             )
         else:
             inv = rope_inv_freq(self.rope_dim, cfg.rotary_base)
-        # Derived from the config, so not saved in checkpoints.
-        self.register_buffer("inv_freq", inv, persistent=False)
+        return inv
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the frequencies in place (after `to_empty` from the meta device)."""
+        with torch.device("cpu"):
+            self.inv_freq.copy_(self._inv_freq())
 
     def forward(
         self, x_TXD: torch.Tensor, positions_T: torch.Tensor, *, inverse: bool = False

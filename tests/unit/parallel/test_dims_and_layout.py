@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from primus_v4.errors import ConfigError
-from primus_v4.parallel.groups import ParallelContext, ParallelDims, destroy_parallel, init_parallel
+from primus_v4.parallel.groups import ParallelContext, ParallelDims
 from primus_v4.parallel.pipeline import even_pp_layout, parse_pp_layout, plan_stages
 
 FLASH = "Et*14|t*14|t*15mL"
@@ -83,10 +82,5 @@ def test_layout_errors(layout: str, pp: int, message: str) -> None:
 def test_single_process_context() -> None:
     ctx = ParallelContext.single()
     assert ctx.cp.size == 1 and ctx.cp_group is None and ctx.is_first_stage and ctx.is_last_stage
-    if dist.is_initialized():
-        pytest.skip("another test left a process group")
-    try:
-        ctx = init_parallel(ParallelDims(world=1), backend="gloo")
-        assert ctx.dp.ranks == (0,) and ctx.ep.size == 1 and ctx.dp_cp_group is not None
-    finally:
-        destroy_parallel(process_group=True)
+    # init_parallel on one real rank runs in tests/distributed: gloo started in the pytest
+    # process would be inherited by the workers the harness forks later.

@@ -1,0 +1,87 @@
+"""The model's one weight-init rule, deterministic per parameter name.
+
+Every parameter draws from its own CPU generator seeded by (seed, parameter name), and every
+expert of an [E, ...] expert weight from (seed, name, global expert index). A value therefore
+does not depend on which other modules exist, in which order they were built, or on which
+device they live: a pipeline stage or an expert shard [e0:e1] materialized alone on its rank
+equals the same parameters (rows) of the whole model built in one process.
+
+Non-parameter buffers (RoPE frequencies, Hadamard rotations, hash-routing tables) are derived
+from the config alone; `init_buffers` recomputes them after `to_empty`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from primus_v4.models.deepseek_v4.attention import Attention
+from primus_v4.models.deepseek_v4.compressor import Compressor
+from primus_v4.models.deepseek_v4.hyper_connection import HyperHead, HyperMixer
+from primus_v4.models.deepseek_v4.moe import MoE
+from primus_v4.models.deepseek_v4.norm import RMSNorm
+
+# Parameters that start at a constant; every other parameter is drawn from N(0, std).
+# Norm and mHC scales 1 (identity); mHC biases 0 (pre = 1/2, post = 1, uniform 1/K mixing);
+# compressor position bias 0 (windows weighed by content only); attention sinks 0 (one extra
+# zero logit).
+_CONSTANTS: tuple[tuple[type[nn.Module], str, float], ...] = (
+    (RMSNorm, "weight", 1.0),
+    (nn.RMSNorm, "weight", 1.0),
+    (HyperMixer, "scale", 1.0),
+    (HyperMixer, "bias", 0.0),
+    (HyperHead, "scale", 1.0),
+    (HyperHead, "bias", 0.0),
+    (Compressor, "ape", 0.0),
+    (Attention, "attn_sink", 0.0),
+    (nn.Linear, "bias", 0.0),
+)
+EXPERT_WEIGHTS = ("w_gate_up", "w_down")
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed from (run seed, parameter name), stable across processes."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def draw_normal(shape: torch.Size, std: float, seed: int, name: str) -> torch.Tensor:
+    """N(0, std) float32 on CPU from the (seed, name) generator: the same on every device."""
+    gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
+    out = torch.empty(shape, dtype=torch.float32, device="cpu")  # even under a device context
+    return out.normal_(0.0, std, generator=gen)
+
+
+def _constant(module: nn.Module, attr: str) -> float | None:
+    for kind, name, value in _CONSTANTS:
+        if isinstance(module, kind) and attr == name:
+            return value
+    return None
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, *, seed: int, std: float) -> None:
+    """Initialize every parameter of `model` (a whole model, a stage or a sharded one)."""
+    for prefix, module in model.named_modules():
+        for attr, p in module.named_parameters(recurse=False):
+            name = f"{prefix}.{attr}" if prefix else attr
+            value = _constant(module, attr)
+            if value is not None:
+                p.fill_(value)
+            elif isinstance(module, MoE) and attr in EXPERT_WEIGHTS:
+                # Drawn per global expert so a shard [lo, lo + L) is rows of the full tensor.
+                lo = getattr(module, "expert_offset", 0)
+                for i in range(p.shape[0]):
+                    p[i].copy_(draw_normal(p.shape[1:], std, seed, f"{name}.{lo + i}"))
+            else:
+                p.copy_(draw_normal(p.shape, std, seed, name))
+
+
+@torch.no_grad()
+def init_buffers(model: nn.Module) -> None:
+    """Recompute every config-derived buffer (needed after `to_empty`)."""
+    for module in model.modules():
+        if module is not model and callable(getattr(module, "init_buffers", None)):
+            module.init_buffers()
