@@ -2,8 +2,15 @@
 
 Both layouts run the same trainer, tiny model and corpus with the same rows per step
 (seq_length tokens each): THD rows hold many samples, a BSHD row holds one sample plus padding.
-Printed per layout: total / real / supervised tokens per step, real and supervised fractions,
-step time, real and supervised tokens/s, and the THD/BSHD ratios.
+Each layout runs twice:
+  - LM head on all rows: the head + CE run on every row (masked), as a conventional trainer
+    computes them, so every row of seq_length tokens costs about the same;
+  - LM head on supervised rows (the default): rows without a loss skip the head.
+The loss and gradients are the same either way; only the work differs. Padding is never routed
+to experts in any run (the THD contract). Printed: one epoch of the corpus from the pack
+statistics (exact), then per run total / real / supervised tokens per step, real and supervised
+fractions, step time, real and supervised tokens/s, an epoch-time estimate, and the THD/BSHD
+ratios.
 
     python benchmarks/bench_layouts.py                      # alpaca_en_demo.json at seq 4096
     python benchmarks/bench_layouts.py --steps 4 --gbs 2 --seq-length 2048
@@ -15,6 +22,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from primus_v4.config import load_config, resolve_run
@@ -22,23 +30,33 @@ from primus_v4.training.metrics import StepMetrics
 from primus_v4.training.trainer import Trainer
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca_en_demo.json"
+LAYOUTS = ("bshd", "thd")
+HEAD_ROWS = {
+    "all": "LM head on all rows (a conventional trainer's work: every row costs the same)",
+    "supervised": "LM head on supervised rows only (the default)",
+}
 
 
-def run_layout(layout: str, args: argparse.Namespace, out_dir: Path) -> list[StepMetrics]:
+def run_layout(
+    layout: str, head_rows: str, args: argparse.Namespace, out_dir: Path
+) -> tuple[list[StepMetrics], dict, int]:
+    """(step metrics, pack statistics, rows per epoch) of `args.steps` steps of one layout."""
     overrides = [
         f"data.path={args.data}",
         f"data.seq_length={args.seq_length}",
         f"data.layout={layout}",
+        f"model.lm_head_rows={head_rows}",
         f"train.global_batch_size={args.gbs}",
         f"train.steps={args.steps}",
         "train.warmup_steps=1",
-        f"output.dir={out_dir / layout}",
+        f"output.dir={out_dir / f'{layout}_{head_rows}'}",
         "output.progress_bar=false",
         "output.plot=false",
         *args.set,
     ]
     trainer = Trainer(resolve_run(load_config(args.config, overrides), world=1))
-    return [trainer.train_step(step) for step in range(args.steps)]
+    rows = [trainer.train_step(step) for step in range(args.steps)]
+    return rows, trainer.corpus.stats, trainer.source.rows_per_epoch
 
 
 def _mean(rows: list[StepMetrics], key: str) -> float:
@@ -47,24 +65,51 @@ def _mean(rows: list[StepMetrics], key: str) -> float:
     return statistics.fmean(float(getattr(r, key)) for r in timed)
 
 
-def table(results: dict[str, list[StepMetrics]]) -> str:
-    metrics = {
-        "total tokens / step": lambda r: _mean(r, "total_tokens"),
-        "real tokens / step": lambda r: _mean(r, "real_tokens"),
-        "supervised tokens / step": lambda r: _mean(r, "supervised_tokens"),
-        "real fraction": lambda r: _mean(r, "real_tokens") / _mean(r, "total_tokens"),
-        "supervised fraction": lambda r: _mean(r, "supervised_tokens") / _mean(r, "total_tokens"),
-        "step time (s)": lambda r: _mean(r, "step_seconds"),
-        "real tokens / s": lambda r: _mean(r, "real_tokens_per_s"),
-        "supervised tokens / s": lambda r: _mean(r, "supervised_tokens_per_s"),
-    }
-    lines = [f"{'metric':<26}{'BSHD':>14}{'THD':>14}{'THD/BSHD':>12}", "-" * 66]
-    for name, fn in metrics.items():
-        bshd, thd = fn(results["bshd"]), fn(results["thd"])
-        fmt = "{:>14.4f}" if bshd < 10 else "{:>14,.1f}"
+def _fmt(value: float) -> str:
+    return f"{value:>14.4f}" if abs(value) < 10 else f"{value:>14,.1f}"
+
+
+def _table(rows: dict[str, Callable[[str], float]]) -> str:
+    lines = [f"{'':<34}{'BSHD':>14}{'THD':>14}{'THD/BSHD':>10}", "-" * 72]
+    for name, fn in rows.items():
+        bshd, thd = fn("bshd"), fn("thd")
         ratio = thd / bshd if bshd else float("inf")
-        lines.append(f"{name:<26}" + fmt.format(bshd) + fmt.format(thd) + f"{ratio:>12.2f}")
+        lines.append(f"{name:<34}{_fmt(bshd)}{_fmt(thd)}{ratio:>10.2f}")
     return "\n".join(lines)
+
+
+def corpus_fractions(stats: dict, rows_per_epoch: dict[str, int], seq: int) -> dict[str, dict]:
+    """One epoch of the corpus per layout, exact: rows, real and supervised fractions."""
+    out = {}
+    for layout, n_rows in rows_per_epoch.items():
+        total = n_rows * seq
+        out[layout] = {
+            "rows": n_rows,
+            "real_fraction": stats["real_tokens"] / total,
+            "supervised_fraction": stats["supervised_tokens"] / total,
+        }
+    return out
+
+
+def step_table(runs: dict[str, list[StepMetrics]], epoch_rows: dict[str, int], gbs: int) -> str:
+    def frac(key: str) -> Callable[[str], float]:
+        return lambda lay: _mean(runs[lay], key) / _mean(runs[lay], "total_tokens")
+
+    return _table(
+        {
+            "total tokens / step": lambda lay: _mean(runs[lay], "total_tokens"),
+            "real tokens / step": lambda lay: _mean(runs[lay], "real_tokens"),
+            "supervised tokens / step": lambda lay: _mean(runs[lay], "supervised_tokens"),
+            "real fraction": frac("real_tokens"),
+            "supervised fraction": frac("supervised_tokens"),
+            "step time (s)": lambda lay: _mean(runs[lay], "step_seconds"),
+            "real tokens / s": lambda lay: _mean(runs[lay], "real_tokens_per_s"),
+            "supervised tokens / s": lambda lay: _mean(runs[lay], "supervised_tokens_per_s"),
+            "epoch time estimate (s)": lambda lay: (
+                epoch_rows[lay] / gbs * _mean(runs[lay], "step_seconds")
+            ),
+        }
+    )
 
 
 def main() -> None:
@@ -73,17 +118,54 @@ def main() -> None:
     parser.add_argument("--config", default=None, help="base run config (default: embedded)")
     parser.add_argument("--seq-length", type=int, default=4096)
     parser.add_argument("--gbs", type=int, default=1, help="rows per step, both layouts")
-    parser.add_argument("--steps", type=int, default=3, help="steps per layout (first = warmup)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per run (first = warmup)")
     parser.add_argument("--set", action="append", default=[], help="extra config overrides")
     args = parser.parse_args()
     start = time.perf_counter()
+    runs: dict[str, dict[str, list[StepMetrics]]] = {h: {} for h in HEAD_ROWS}
+    epoch_rows: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        results = {layout: run_layout(layout, args, Path(tmp)) for layout in ("bshd", "thd")}
+        for head_rows in HEAD_ROWS:
+            for layout in LAYOUTS:
+                rows, stats, epoch_rows[layout] = run_layout(layout, head_rows, args, Path(tmp))
+                runs[head_rows][layout] = rows
+    corpus = corpus_fractions(stats, epoch_rows, args.seq_length)
+
     print(
         f"bench_layouts: {Path(args.data).name}, seq {args.seq_length}, {args.gbs} row(s)/step, "
-        f"{args.steps} steps per layout (means exclude step 1), tiny model"
+        f"{args.steps} steps per run (means exclude step 1), tiny model"
     )
-    print(table(results))
+    print(f"\nOne epoch of the corpus ({stats['num_samples']} samples), exact")
+    print(
+        _table(
+            {
+                "rows": lambda lay: corpus[lay]["rows"],
+                "real fraction": lambda lay: corpus[lay]["real_fraction"],
+                "supervised fraction": lambda lay: corpus[lay]["supervised_fraction"],
+            }
+        )
+    )
+    for head_rows, title in HEAD_ROWS.items():
+        print(f"\n{title}")
+        print(step_table(runs[head_rows], epoch_rows, args.gbs))
+
+    def step_ratio(head_rows: str) -> float:
+        r = runs[head_rows]
+        return _mean(r["thd"], "step_seconds") / _mean(r["bshd"], "step_seconds")
+
+    print("\nchecks")
+    print(
+        f"  real fraction over one epoch: BSHD {corpus['bshd']['real_fraction']:.4f} "
+        f"(expected near 0.05), THD {corpus['thd']['real_fraction']:.4f} (expected > 0.97)"
+    )
+    print(
+        f"  step time THD/BSHD, head on all rows: {step_ratio('all'):.2f} "
+        "(expected within 25%: same work per row)"
+    )
+    print(
+        f"  step time THD/BSHD, head on supervised rows: {step_ratio('supervised'):.2f} "
+        "(a padded row skips the head and the experts, so it is cheaper)"
+    )
     print(f"wall time {time.perf_counter() - start:.0f} s")
 
 

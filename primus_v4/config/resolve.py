@@ -78,6 +78,7 @@ def model_config(cfg: RunConfig) -> DeepseekV4Config:
     if not cfg.model.fused_linear_ce:
         # One CE chunk spanning the whole row: the [S, vocab] logits exist at once (unfused).
         overrides.setdefault("ce_chunk_size", cfg.data.seq_length)
+    overrides.setdefault("lm_head_rows", cfg.model.lm_head_rows)
     if cfg.model.dtype == "bfloat16":
         import torch
 

@@ -64,6 +64,9 @@ class ModelConfig:
     """Parameter and activation dtype (float32 on CPU; bfloat16 on GPUs)."""
     fused_linear_ce: bool = True
     """Chunked LM-head + cross-entropy: the [S, vocab] logits are never materialized."""
+    lm_head_rows: Literal["supervised", "all"] = "supervised"
+    """LM head + CE on supervised rows only (exact: other rows add zero) or on all rows, as a
+    conventional trainer does (same loss and grads, more work; for cost comparisons)."""
 
 
 @dataclass(kw_only=True)

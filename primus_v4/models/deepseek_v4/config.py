@@ -82,6 +82,9 @@ class DeepseekV4Config(TransformerConfig):
     """Clamped SwiGLU: gate clamped above, up clamped to [-limit, limit]."""
     ce_chunk_size: int = 4096
     """Rows per chunk of the fused linear + cross-entropy (logits never materialized)."""
+    lm_head_rows: str = "supervised"
+    """Rows the LM head + CE run on: "supervised" (rows with a loss; the rest contribute exactly
+    zero) or "all" (every row, masked: a conventional trainer's cost, same loss and grads)."""
     rope_dense_only_window: bool = False
     """Reserved; kept False."""
 
@@ -128,6 +131,10 @@ class DeepseekV4Config(TransformerConfig):
             raise ConfigError("hc_mult and hc_sinkhorn_iters must be >= 1")
         if (self.mtp_num_layers or 0) < 0:
             raise ConfigError(f"mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
+        if self.lm_head_rows not in ("supervised", "all"):
+            raise ConfigError(
+                f"lm_head_rows must be 'supervised' or 'all', got {self.lm_head_rows!r}"
+            )
         if self.ce_chunk_size < 1 or self.vocab_size < 1:
             raise ConfigError("ce_chunk_size and vocab_size must be positive")
 

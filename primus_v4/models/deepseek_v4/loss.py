@@ -42,7 +42,13 @@ def _chunk_ce(
 
 
 class ChunkedLinearCE(torch.autograd.Function):
-    """sum_t mask_t * CE(h_t @ W^T, label_t), chunked over the supervised rows only."""
+    """sum_t mask_t * CE(h_t @ W^T, label_t), chunked over the supervised rows (or all rows).
+
+    Rows with mask 0 contribute exactly zero loss and gradient, so by default they are skipped.
+    `all_rows` runs the head on every row anyway (masked to zero), which is what a conventional
+    trainer computes: same result, cost proportional to the row count instead of the supervised
+    count. It exists for cost comparisons against such trainers (benchmarks/bench_layouts.py).
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -53,13 +59,17 @@ class ChunkedLinearCE(torch.autograd.Function):
         mask_T: torch.Tensor,
         chunk: int,
         grad_enabled: bool,
+        all_rows: bool,
     ) -> torch.Tensor:
         # needs_input_grad stays True under torch.no_grad: check the caller's grad mode too.
         need_h = grad_enabled and ctx.needs_input_grad[0]
         need_w = grad_enabled and ctx.needs_input_grad[1]
-        # Unsupervised rows contribute exactly zero loss and gradient: skip them entirely (also
-        # keeps garbage labels there from ever being used as an index).
-        rows_N = torch.nonzero(mask_T != 0, as_tuple=False).flatten()
+        # Unsupervised rows contribute exactly zero loss and gradient: skip them entirely unless
+        # asked not to (their labels are clamped, so garbage there is never an invalid index).
+        if all_rows:
+            rows_N = torch.arange(mask_T.shape[0], device=mask_T.device)
+        else:
+            rows_N = torch.nonzero(mask_T != 0, as_tuple=False).flatten()
         mask_N = mask_T.index_select(0, rows_N).to(torch.float32)
         labels_N = labels_T.index_select(0, rows_N).clamp(0, w_VD.shape[0] - 1)
         h_ND = h_TD.index_select(0, rows_N)
@@ -88,7 +98,7 @@ class ChunkedLinearCE(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if ctx.has[0] else None
         gw = (grad_w * grad_out).to(ctx.w_dtype) if ctx.has[1] else None
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def chunked_linear_ce(
@@ -98,9 +108,12 @@ def chunked_linear_ce(
     mask_T: torch.Tensor,
     *,
     chunk: int,
+    all_rows: bool = False,
 ) -> torch.Tensor:
     """Masked SUM of token cross-entropies of `h @ w^T` (float32 scalar)."""
-    return ChunkedLinearCE.apply(h_TD, w_VD, labels_T, mask_T, chunk, torch.is_grad_enabled())
+    return ChunkedLinearCE.apply(
+        h_TD, w_VD, labels_T, mask_T, chunk, torch.is_grad_enabled(), all_rows
+    )
 
 
 def full_linear_ce(

@@ -252,7 +252,12 @@ class DeepseekV4Model(nn.Module):
                 out.logits = logits
             return
         loss_sum = chunked_linear_ce(
-            normed_TD, self.lm_head.weight, labels_T, mask_T, chunk=self.cfg.ce_chunk_size
+            normed_TD,
+            self.lm_head.weight,
+            labels_T,
+            mask_T,
+            chunk=self.cfg.ce_chunk_size,
+            all_rows=self.cfg.lm_head_rows == "all",
         )
         num = mask_T.sum().to(torch.float32)
         if mtp:

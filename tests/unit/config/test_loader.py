@@ -25,6 +25,7 @@ REQUIRED_KEYS = [
     "parallel.pp", "parallel.cp", "parallel.ep", "output.dir", "parallel.etp",
     "parallel.pp_layout", "optim.offload_fraction", "checkpoint.dir", "checkpoint.interval",
     "checkpoint.resume", "model.overrides", "model.dtype", "model.fused_linear_ce",
+    "model.lm_head_rows",
     "train.warmup_steps", "train.min_lr", "train.weight_decay", "train.clip_grad",
     "train.nan_policy", "data.algorithm", "data.overlong", "data.tokenizer", "data.cache_dir",
     "data.lock_dir",

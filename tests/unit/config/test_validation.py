@@ -74,6 +74,17 @@ def test_model_checks() -> None:
         resolve_run(load_config(overrides=["model.overrides.num_layerz=2"]), world=1)
 
 
+def test_lm_head_rows_reaches_the_model_and_is_checked() -> None:
+    from primus_v4.config.resolve import model_config
+
+    assert model_config(load_config()).lm_head_rows == "supervised"
+    assert model_config(load_config(overrides=["model.lm_head_rows=all"])).lm_head_rows == "all"
+    with pytest.raises(ConfigError, match=r"model.lm_head_rows: must be one of"):
+        load_config(overrides=["model.lm_head_rows=every"])
+    with pytest.raises(ConfigError, match=r"lm_head_rows must be 'supervised' or 'all'"):
+        resolve_run(load_config(overrides=["model.overrides.lm_head_rows=some"]), world=1)
+
+
 def test_dry_run_prints_one_json_line(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
