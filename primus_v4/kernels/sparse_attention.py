@@ -10,8 +10,13 @@ value (single-latent MQA). Causality, windows, sample isolation and
 top-k selection all live in the ranges and indices, so this op never sees a layout.
 
 Memory: candidate keys are gathered per chunk of query rows ([C, M, D] + [C, H, M] at a time,
-bounded by `chunk_elems`), and the backward recomputes them (flash-attention style: only q, kv,
-out and the row log-sum-exp are saved), so activation memory is O(T * (H * D + R + K)).
+bounded by `chunk_elems`), and the backward recomputes them (flash-attention style: only q, kv
+and the row log-sum-exp are saved), so activation memory is O(T * (H * D + R + K)).
+
+Precision: scores, softmax, the weighted sum and every gradient are computed in float32 (at
+least) whatever the input dtype, like a flash-attention kernel; outputs and gradients are cast
+back to the input dtypes at the end. A bf16 softmax over hundreds of candidates would otherwise
+lose several bits.
 """
 
 from __future__ import annotations
@@ -39,12 +44,17 @@ def _chunk_columns(
     return col_CM, torch.cat(valid, dim=1)
 
 
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """x in the accumulation dtype: float32, or float64 when x already is."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _chunk_probs(q_CHD, kv_ND, col_CM, valid_CM, sink_H, scale, lse_CH=None):
-    k_CMD = kv_ND[col_CM]
-    s_CHM = torch.einsum("chd,cmd->chm", q_CHD, k_CMD) * scale
+    k_CMD = _acc(kv_ND[col_CM])
+    s_CHM = torch.einsum("chd,cmd->chm", _acc(q_CHD), k_CMD) * scale
     s_CHM = s_CHM.masked_fill(~valid_CM[:, None, :], float("-inf"))
     if lse_CH is None:
-        sink_CH1 = sink_H.to(s_CHM.dtype)[None, :, None].expand(s_CHM.shape[0], -1, 1)
+        sink_CH1 = _acc(sink_H).to(s_CHM.dtype)[None, :, None].expand(s_CHM.shape[0], -1, 1)
         lse_CH = torch.logsumexp(torch.cat((s_CHM, sink_CH1), dim=-1), dim=-1)
     return k_CMD, torch.exp(s_CHM - lse_CH[..., None]), lse_CH
 
@@ -53,41 +63,47 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_THD, kv_ND, sink_H, lo_TR, hi_TR, idx_TK, scale, rows):
         out_THD = torch.empty_like(q_THD)
-        lse_TH = q_THD.new_empty(q_THD.shape[:2])
+        lse_TH = torch.empty(q_THD.shape[:2], dtype=_acc(q_THD).dtype, device=q_THD.device)
         n = kv_ND.shape[0]
         for a in range(0, q_THD.shape[0], rows):
             b = a + rows
             idx = None if idx_TK is None else idx_TK[a:b]
             col, valid = _chunk_columns(lo_TR[a:b], hi_TR[a:b], idx, n)
             k_CMD, p_CHM, lse = _chunk_probs(q_THD[a:b], kv_ND, col, valid, sink_H, scale)
-            out_THD[a:b] = torch.einsum("chm,cmd->chd", p_CHM, k_CMD)
+            out_THD[a:b] = torch.einsum("chm,cmd->chd", p_CHM, k_CMD).to(out_THD.dtype)
             lse_TH[a:b] = lse
-        ctx.save_for_backward(q_THD, kv_ND, sink_H, lo_TR, hi_TR, idx_TK, out_THD, lse_TH)
+        ctx.save_for_backward(q_THD, kv_ND, sink_H, lo_TR, hi_TR, idx_TK, lse_TH)
         ctx.scale, ctx.rows = scale, rows
         return out_THD
 
     @staticmethod
     def backward(ctx, dout_THD):
-        q_THD, kv_ND, sink_H, lo_TR, hi_TR, idx_TK, out_THD, lse_TH = ctx.saved_tensors
+        q_THD, kv_ND, sink_H, lo_TR, hi_TR, idx_TK, lse_TH = ctx.saved_tensors
         scale, rows, n = ctx.scale, ctx.rows, kv_ND.shape[0]
+        acc = lse_TH.dtype
         dq_THD = torch.zeros_like(q_THD)
-        dkv_ND = torch.zeros_like(kv_ND)
-        dsink_H = torch.zeros_like(sink_H)
+        dkv_ND = torch.zeros(kv_ND.shape, dtype=acc, device=kv_ND.device)
+        dsink_H = torch.zeros(sink_H.shape, dtype=acc, device=sink_H.device)
         for a in range(0, q_THD.shape[0], rows):
             b = a + rows
             idx = None if idx_TK is None else idx_TK[a:b]
             col, valid = _chunk_columns(lo_TR[a:b], hi_TR[a:b], idx, n)
-            q, do, lse = q_THD[a:b], dout_THD[a:b], lse_TH[a:b]
+            q, do, lse = _acc(q_THD[a:b]), _acc(dout_THD[a:b]), lse_TH[a:b]
             k_CMD, p_CHM, _ = _chunk_probs(q, kv_ND, col, valid, sink_H, scale, lse)
-            delta_CH = (do * out_THD[a:b]).sum(-1)  # d(lse)-term of the softmax backward
-            ds_CHM = p_CHM * (torch.einsum("chd,cmd->chm", do, k_CMD) - delta_CH[..., None])
-            dq_THD[a:b] = torch.einsum("chm,cmd->chd", ds_CHM, k_CMD) * scale
+            dp_CHM = torch.einsum("chd,cmd->chm", do, k_CMD)
+            # The d(lse)-term of the softmax backward, do . out = sum_m p_m dp_m (the sink's
+            # value is 0), taken from the float32 probabilities rather than the rounded output:
+            # dp - delta cancels, and a bf16 output would leave its rounding in every gradient.
+            delta_CH = (p_CHM * dp_CHM).sum(-1)
+            ds_CHM = p_CHM * (dp_CHM - delta_CH[..., None])
+            dq_THD[a:b] = (torch.einsum("chm,cmd->chd", ds_CHM, k_CMD) * scale).to(dq_THD.dtype)
             # K and V are the same rows: their gradients add before the scatter.
             dk_CMD = torch.einsum("chm,chd->cmd", ds_CHM, q) * scale
             dk_CMD = dk_CMD + torch.einsum("chm,chd->cmd", p_CHM, do)
             dkv_ND.index_add_(0, col.flatten(), dk_CMD.flatten(0, 1))
             # The sink's value is 0, so its logit gradient is -p_sink * delta.
-            dsink_H -= (torch.exp(sink_H[None, :] - lse) * delta_CH).sum(0)
+            dsink_H -= (torch.exp(_acc(sink_H)[None, :] - lse) * delta_CH).sum(0)
+        dkv_ND, dsink_H = dkv_ND.to(kv_ND.dtype), dsink_H.to(sink_H.dtype)
         return dq_THD, dkv_ND, dsink_H, None, None, None, None, None
 
 

@@ -81,3 +81,31 @@ def test_registry_errors_are_clear(monkeypatch: pytest.MonkeyPatch) -> None:
         kernels.resolve("indexer_topk", "primus_turbo")
     monkeypatch.setenv("PRIMUS_V4_KERNEL_BACKEND", "auto")
     assert kernels.resolve("compressor_pool") is not None
+
+
+def test_bf16_inputs_get_float32_math() -> None:
+    """bf16 in, bf16 out, but nothing rounds to bf16 before the end: output and gradients are
+    the float64 answer on the same inputs up to the final bf16 rounding."""
+    g = torch.Generator().manual_seed(1)
+    t, h, d, n = 16, 4, 64, 1024  # one softmax over 1024 candidates + the sink
+    q, kv, sink = (
+        torch.randn(*shape, generator=g).to(torch.bfloat16) for shape in ((t, h, d), (n, d), (h,))
+    )
+    lo = torch.zeros(t, 1, dtype=torch.long)
+    hi = torch.full((t, 1), n)
+    ins = [x.clone().requires_grad_(True) for x in (q, kv, sink)]
+    ref_ins = [x.double().requires_grad_(True) for x in (q, kv, sink)]
+    out = sparse_attention_torch(*ins, lo_TR=lo, hi_TR=hi, scale=d**-0.5)
+    ref = _dense_reference(*ref_ins, lo, hi, None, d**-0.5)
+    grad_out = torch.randn(out.shape, generator=g).to(torch.bfloat16)
+    (out.float() * grad_out.float()).sum().backward()
+    (ref * grad_out.double()).sum().backward()
+    assert out.dtype == torch.bfloat16
+    assert all(x.grad.dtype == torch.bfloat16 for x in ins)
+    for got, want in zip(
+        [out, *(x.grad for x in ins)], [ref, *(x.grad for x in ref_ins)], strict=True
+    ):
+        # bf16 keeps 8 significant bits: the final rounding is within 2^-8 relative.
+        err = (got.double() - want.detach()).abs()
+        bound = want.detach().abs() * 2**-8 + 1e-5 * want.detach().abs().max()
+        assert (err <= bound).all(), float((err - bound).max())
