@@ -10,7 +10,9 @@ PRIMUS_REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PRIMUS_RECIPE="${PRIMUS_RECIPE:-$0}"
 PRIMUS_SCRIPT_NAME="$(basename "${PRIMUS_RECIPE}")"
 PRIMUS_PYTHON="${PRIMUS_PYTHON:-python3}"
-PRIMUS_TORCHRUN="${PRIMUS_TORCHRUN:-torchrun}"
+# The launcher: PRIMUS_TORCHRUN when set, else torchrun as a module of PRIMUS_PYTHON, so the
+# validation and the launch always use one interpreter (no torchrun from another environment).
+PRIMUS_TORCHRUN="${PRIMUS_TORCHRUN:-}"
 # The --set overrides handed to the trainer, built up by primus_add_set.
 PRIMUS_SETS=()
 
@@ -150,8 +152,10 @@ primus_validate() {
 
 # The torchrun command line, as an array (PRIMUS_COMMAND).
 primus_build_command() {
+  local launcher=("${PRIMUS_PYTHON}" -m torch.distributed.run)
+  [[ -n "${PRIMUS_TORCHRUN}" ]] && launcher=("${PRIMUS_TORCHRUN}")
   PRIMUS_COMMAND=(
-    "${PRIMUS_TORCHRUN}"
+    "${launcher[@]}"
     --nnodes "${NNODES}" --node_rank "${NODE_RANK}" --nproc_per_node "${GPUS_PER_NODE}"
     --master_addr "${MASTER_ADDR}" --master_port "${MASTER_PORT}"
     -m primus_v4 train --config "${PRIMUS_CONFIG}" "${PRIMUS_SETS[@]}"

@@ -3,6 +3,9 @@ with the real world size) and fail early, with a clear message, on a bad rendezv
 
 from __future__ import annotations
 
+import shlex
+import sys
+
 import pytest
 from recipe_runner import run_recipe
 
@@ -42,7 +45,8 @@ def test_full_4k_thd(tmp_path):
     assert r["pack_cache_dir"].startswith(f"{tmp_path}/local/")
     assert r["pack_lock_dir"].startswith(f"{tmp_path}/local/")
     assert r["tokenizer"] == str(tok)
-    assert run.command.startswith("torchrun --nnodes 3 --node_rank 0 --nproc_per_node 8 ")
+    launcher = f"{shlex.quote(sys.executable)} -m torch.distributed.run"
+    assert run.command.startswith(f"{launcher} --nnodes 3 --node_rank 0 --nproc_per_node 8 ")
     assert " -m primus_v4 train --config " in run.command
     assert f"--set data.tokenizer={tok}" in run.command
 
@@ -67,6 +71,13 @@ def test_base_4k_is_not_packed(tmp_path):
 def test_callers_environment_wins(tmp_path):
     r = run_recipe("run_full_4k_thd_multinode.sh", tmp_path, **MULTINODE, PRIMUS_CP="4").resolved
     assert (r["cp"], r["dp"]) == (4, 2)  # 24 ranks = PP3 x CP4 x DP2
+
+
+def test_an_explicit_launcher_wins(tmp_path):
+    run = run_recipe(
+        "run_full_4k_thd_multinode.sh", tmp_path, **MULTINODE, PRIMUS_TORCHRUN="/opt/bin/torchrun"
+    )
+    assert run.command.startswith("/opt/bin/torchrun --nnodes 3 --node_rank 0 ")
 
 
 def test_single_node_3layer_128k(tmp_path):
