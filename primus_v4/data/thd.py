@@ -70,6 +70,11 @@ class ThdBatch:
     def num_real(self) -> int:
         return int((~self.padding_mask_S).sum().item())
 
+    @property
+    def num_samples(self) -> int:
+        """Segments that are samples: their first row is real (padding only ever trails)."""
+        return int((~self.padding_mask_S[self.cu_seqlens_N1[:-1].long()]).sum().item())
+
 
 def segment_starts(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Per-row start index of the row's segment: [S] int64 from cu_seqlens [N+1]."""

@@ -339,20 +339,18 @@ def shifted_padding_mask(padding_S: torch.Tensor, cu_seqlens: torch.Tensor, k: i
     return shift_in_sample(padding_S.bool(), cu_seqlens, k, True)
 
 
-def shard_token_counts(
-    shards: Sequence[CpShard], *, micro_batches: int | None = None
-) -> TokenCounts:
+def shard_token_counts(shards: Sequence[CpShard], *, samples: int) -> TokenCounts:
     """This rank's token counts (its own rows only) for `training.loss.reduce_counts` over
     DP x CP: summed over the CP group they equal the counts of the unsplit packs, and
-    `micro_batches` (each CP rank counts each pack once) makes the replicated MoE balance loss an
-    exact mean after the sum."""
+    `samples` (the whole packs' samples: each CP rank counts every sample of its packs) makes
+    the replicated MoE balance loss an exact mean after the sum."""
     depths = len(shards[0].mtp) if shards else 0
     return TokenCounts(
         supervised=int(sum(int(s.loss_mask_T.sum()) for s in shards)),
         mtp=tuple(int(sum(int(s.mtp[d].loss_mask.sum()) for s in shards)) for d in range(depths)),
         real=int(sum(int((~s.padding_mask_T).sum()) for s in shards)),
         total=sum(s.local_rows for s in shards),
-        micro_batches=micro_batches if micro_batches is not None else max(len(shards), 1),
+        samples=samples,
     )
 
 
@@ -360,8 +358,8 @@ class CpSplitter:
     """The trainer's CP hook: this rank's rows of each pack and its share of the token counts.
 
     The counts cover this rank's rows only; `training.loss.reduce_counts` sums them over DP x CP,
-    which restores the unsplit packs' denominators (and counts each pack's balance loss once per
-    CP rank, matching the cp replicated copies that rank objectives add up).
+    which restores the unsplit packs' denominators (and counts each pack's samples once per CP
+    rank, matching the cp replicated copies of the balance loss that rank objectives add up).
     """
 
     def __init__(
@@ -408,7 +406,9 @@ class CpSplitter:
     def token_counts(self, rows: Sequence[ThdBatch]) -> TokenCounts:
         """Counts of this step's rows; called first each step, so it also resets the cache."""
         self._cache = []
-        return shard_token_counts([self.shard(r) for r in rows], micro_batches=max(len(rows), 1))
+        return shard_token_counts(
+            [self.shard(r) for r in rows], samples=sum(r.num_samples for r in rows)
+        )
 
     def model_inputs(self, row: ThdBatch) -> dict[str, Any]:
         return self.shard(row).model_inputs(self.comm, device=self.device, packed=self.packed)

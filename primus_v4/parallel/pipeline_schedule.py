@@ -90,10 +90,10 @@ class PipelineRunner:
         self._shape = (m, t, id_dtype)
 
     def _loss(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
-        del target  # the targets travel as keyword tensors; pipelining needs one to call us
+        # The labels travel as keyword tensors; the target carries this pack's sample count.
         loss_sum, *mtp_sums, aux = output
         out = ModelOutput(loss_sum=loss_sum, mtp_loss_sums=list(mtp_sums), aux_loss=aux)
-        return self.step_loss.objective(out)
+        return self.step_loss.objective(out, samples=target.reshape(()))
 
     def _stack(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Per-pack model inputs ([1, T] rows) -> keyword tensors stacked over micro-batches."""
@@ -126,19 +126,22 @@ class PipelineRunner:
                 )
         return kw
 
-    def run(self, inputs: list[dict[str, Any]], step_loss: Any) -> None:
-        """Forward and backward of every micro-batch; gradients accumulate in the stage."""
+    def run(self, inputs: list[dict[str, Any]], step_loss: Any, *, samples: list[int]) -> None:
+        """Forward and backward of every micro-batch; gradients accumulate in the stage.
+        `samples[i]` is pack i's sample count (its balance loss is a mean over them)."""
         kw = self._stack(inputs)
+        # [M, 1]: chunked like the other keyword tensors, one count per pack for every stage.
+        kw["aux_samples"] = torch.tensor(samples, dtype=torch.float32, device=self.device)[:, None]
         m, t = kw["token_ids"].shape
         if self._shape != (m, t, kw["token_ids"].dtype):
             self._build(m, t, kw["token_ids"].dtype)
         self.step_loss = step_loss
-        self.model.aux_scale = 1.0 / step_loss.counts.micro_batches
+        self.model.aux_scale = 1.0 / max(step_loss.counts.samples, 1)
         self.model.aux_total = 0.0
         if step_loss.counts.mtp and not step_loss.mtp_sums:
             step_loss.mtp_sums = [0.0] * len(step_loss.counts.mtp)
         args = (kw["token_ids"],) if self.model.is_first else ()
-        target = torch.zeros(m) if self.model.is_last else None
+        target = kw["aux_samples"].reshape(m) if self.model.is_last else None
         assert self.schedule is not None
         self.schedule.step(*args, target=target, return_outputs=False, **kw)
         self._reduce_reported(step_loss)

@@ -32,7 +32,7 @@ from primus_v4.parallel.pipeline import StageSpec
 
 
 class _AttachAux(torch.autograd.Function):
-    """Identity on the stage output whose backward also feeds d(objective)/d(aux) = scale.
+    """Identity on the stage output whose backward also feeds d(objective)/d(aux) = weight.
 
     A non-last stage's MoE balance loss never reaches the loss stage; hanging it on the output
     (megatron's MoEAuxLossAutoScaler) lets the schedule's ordinary backward of the output
@@ -40,15 +40,14 @@ class _AttachAux(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(aux)
-        ctx.scale = scale
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(aux, weight)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, ctx.scale), None
+        aux, weight = ctx.saved_tensors
+        return grad, weight.to(aux.dtype).expand_as(aux), None
 
 
 def strip_cu_seqlens(cu_P: torch.Tensor) -> torch.Tensor:
@@ -92,8 +91,9 @@ class PipelineStageModel(DeepseekV4Model):
         if self.mtp_depths and spec.mtp_depths != tuple(range(len(full.mtp))):
             raise ValueError(f"stage {spec.index}: MTP depths must all sit on the last stage")
         self.stream_dtype = full.embedding.weight.dtype
-        self.aux_scale = 1.0  # d(objective)/d(aux) of this stage; set per step by the runner
-        self.aux_total = 0.0  # sum of this stage's balance losses over the step's micro-batches
+        # d(objective)/d(aux) of a pack = aux_scale x its sample count; set per step by the runner.
+        self.aux_scale = 1.0
+        self.aux_total = 0.0  # this stage's balance losses x sample counts, over the step's packs
 
     def forward(  # type: ignore[override]
         self,
@@ -105,6 +105,7 @@ class PipelineStageModel(DeepseekV4Model):
         labels: torch.Tensor,
         loss_mask: torch.Tensor,
         padding_mask: torch.Tensor,
+        aux_samples: torch.Tensor | None = None,
         mtp_ids: torch.Tensor | None = None,
         mtp_labels: torch.Tensor | None = None,
         mtp_mask: torch.Tensor | None = None,
@@ -132,13 +133,14 @@ class PipelineStageModel(DeepseekV4Model):
             )  # fmt: skip
             aux = aux + layer_aux
         if not self.is_last:
-            self.aux_total += float(aux.detach())
+            samples = aux_samples.reshape(()) if aux_samples is not None else aux.new_ones(())
+            self.aux_total += float(aux.detach() * samples)
             if x_TKD.dtype != self.stream_dtype:
                 raise TypeError(
                     f"stage {self.spec.index} sends {x_TKD.dtype} streams but the receive buffers "
                     f"are {self.stream_dtype}"
                 )
-            return _AttachAux.apply(x_TKD, aux, self.aux_scale)
+            return _AttachAux.apply(x_TKD, aux, samples * self.aux_scale)
         return self._last_stage(x_TKD, ids_T, pos_T, layout, pad_T, labels, loss_mask, aux,
                                 (mtp_ids, mtp_labels, mtp_mask))  # fmt: skip
 

@@ -49,11 +49,12 @@ class TokenCounts:
     """Non-padding tokens."""
     total: int = 0
     """All row positions (rows x seq_length)."""
-    micro_batches: int = 1
-    """Micro-batches over which the aux loss is averaged (all ranks of the count group)."""
+    samples: int = 0
+    """Samples of the global batch: the MoE balance loss is a mean over them (CP ranks each
+    count the whole pack, matching the replicated balance loss each of them adds)."""
 
     def as_tensor(self) -> torch.Tensor:
-        values = [self.supervised, *self.mtp, self.real, self.total, self.micro_batches]
+        values = [self.supervised, *self.mtp, self.real, self.total, self.samples]
         return torch.tensor(values, dtype=torch.int64)
 
 
@@ -68,7 +69,7 @@ def count_tokens(batches: Sequence[ThdBatch], *, mtp_depths: int) -> TokenCounts
         mtp=mtp,
         real=sum(b.num_real for b in batches),
         total=sum(b.seq_length for b in batches),
-        micro_batches=max(len(batches), 1),
+        samples=sum(b.num_samples for b in batches),
     )
 
 
@@ -96,7 +97,7 @@ def reduce_counts(counts: TokenCounts, group: Any = None) -> TokenCounts:
         mtp=tuple(values[1 : 1 + depths]),
         real=values[1 + depths],
         total=values[2 + depths],
-        micro_batches=values[3 + depths],
+        samples=values[3 + depths],
     )
 
 
@@ -113,8 +114,13 @@ class StepLoss:
     mtp_sums: list[float] = field(default_factory=list)
     aux_sum: float = 0.0
 
-    def objective(self, out: Any) -> torch.Tensor:
-        """This micro-batch's share of the step loss (backward this)."""
+    def objective(self, out: Any, *, samples: int | float | torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the step loss (backward this).
+
+        `samples` is the micro-batch's sample count: its balance loss (a mean over those
+        samples) enters with weight samples / counts.samples, so the step's balance loss is a
+        mean over every sample of the global batch however they are packed or split.
+        """
         n = max(self.counts.supervised, 1)  # an all-masked step contributes exactly zero
         total = out.loss_sum / n
         depth_sums = list(getattr(out, "mtp_loss_sums", None) or [])
@@ -127,14 +133,15 @@ class StepLoss:
                 self.mtp_sums[d] += float(s.detach())
         aux = getattr(out, "aux_loss", None)
         if aux is not None:
-            total = total + aux / self.counts.micro_batches
-            self.aux_sum += float(aux.detach())
+            weighted = aux * samples
+            total = total + weighted / max(self.counts.samples, 1)
+            self.aux_sum += float(weighted.detach())
         self.loss_sum += float(out.loss_sum.detach())
         return total * self.grad_scale
 
     def reported(self, group: Any = None) -> dict[str, float]:
         """loss (token mean), mtp_loss (mean over depths of token means), aux_loss (mean over
-        micro-batches); sums are first added up over `group` (the ranks that share counts)."""
+        samples); sums are first added up over `group` (the ranks that share counts)."""
         sums = [self.loss_sum, self.aux_sum, *self.mtp_sums]
         if group is not None:
             import torch.distributed as dist
@@ -147,5 +154,5 @@ class StepLoss:
         return {
             "loss": loss_sum / max(self.counts.supervised, 1),
             "mtp_loss": sum(mtp) / len(mtp) if mtp else 0.0,
-            "aux_loss": aux_sum / self.counts.micro_batches,
+            "aux_loss": aux_sum / max(self.counts.samples, 1),
         }

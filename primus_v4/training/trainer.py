@@ -209,11 +209,15 @@ class Trainer:
         )
         step_loss = StepLoss(counts, mtp_scale=self.mtp_scale)
         if self.pipeline is not None:
-            self.pipeline.run([self._model_inputs(row) for row in rows], step_loss)
+            self.pipeline.run(
+                [self._model_inputs(row) for row in rows],
+                step_loss,
+                samples=[row.num_samples for row in rows],
+            )
         else:
             for row in rows:
                 out = self.model(**self._model_inputs(row))
-                step_loss.objective(out).backward()
+                step_loss.objective(out, samples=row.num_samples).backward()
         for p in self.params:
             if p.requires_grad and p.grad is None:
                 # As with megatron's contiguous grad buffer, every trainable parameter has a

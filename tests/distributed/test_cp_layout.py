@@ -144,13 +144,15 @@ def test_split_then_concat_is_the_pack_and_mtp_is_shifted_globally(cp: int, dept
         _check_mtp_invariants(batch, k, mask)
         _check_padding_polarity(batch, k, torch.cat([s.mtp_padding_T[k - 1] for s in shards]))
     # Token counts of the shards add up to the unsplit pack's (the loss denominators).
-    per_rank = [shard_token_counts([s]) for s in shards]
+    per_rank = [shard_token_counts([s], samples=batch.num_samples) for s in shards]
     whole = count_tokens([batch], mtp_depths=depths)
     assert sum(c.supervised for c in per_rank) == whole.supervised
     assert sum(c.real for c in per_rank) == whole.real
     assert sum(c.total for c in per_rank) == whole.total
     for d in range(depths):
         assert sum(c.mtp[d] for c in per_rank) == whole.mtp[d]
+    # Every CP rank counts the whole pack's samples (the balance loss is replicated per rank).
+    assert all(c.samples == whole.samples for c in per_rank)
 
 
 def _check_mtp_invariants(batch: ThdBatch, k: int, mask_S: torch.Tensor) -> None:

@@ -60,7 +60,7 @@ def _step(rank: int, cp: int, case: tuple, mtp: int, mtp_ratio: int, recompute: 
     shard = shard_batch(
         batch, cp_rank=rank, cp_size=cp, mtp_depths=mtp, min_local_rows=required_local_rows(cfg)
     )
-    local = shard_token_counts([shard])
+    local = shard_token_counts([shard], samples=batch.num_samples)
     counts = torch.tensor([local.supervised, *local.mtp], dtype=torch.float64)
     if cp > 1:
         dist.all_reduce(counts)

@@ -63,7 +63,7 @@ def _reference(packs: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     model, rows = _model(), _rows(packs)
     step_loss = _step_loss(rows, 1)
     for row in rows:
-        step_loss.objective(model(**_inputs(row))).backward()
+        step_loss.objective(model(**_inputs(row)), samples=row.num_samples).backward()
     return step_loss.reported(), _grads(model)
 
 
@@ -74,7 +74,7 @@ def _pipeline(rank: int, world: int, layout: str | None, packs: int) -> tuple[di
     stage = build_stage(full, spec)
     runner = PipelineRunner(stage, ctx, device=torch.device("cpu"))
     step_loss = _step_loss(rows, 1)
-    runner.run([_inputs(r) for r in rows], step_loss)
+    runner.run([_inputs(r) for r in rows], step_loss, samples=[r.num_samples for r in rows])
     reported = step_loss.reported()
     destroy_parallel()
     return reported, _grads(stage)

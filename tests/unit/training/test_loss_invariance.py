@@ -45,15 +45,18 @@ def test_accumulation_equals_one_backward_of_the_summed_loss(tmp_path: Path) -> 
     counts = count_tokens(rows, mtp_depths=1)
     main = sum(o.loss_sum for o in outs) / counts.supervised
     mtp = sum(o.mtp_loss_sums[0] for o in outs) / counts.mtp[0]
-    aux = sum(o.aux_loss for o in outs) / len(outs)
+    # The balance loss is a mean over the step's samples (each pack's is a mean over its own).
+    assert counts.samples == 9 and [r.num_samples for r in rows] == [3, 1, 2, 3]
+    aux = sum(o.aux_loss * r.num_samples for o, r in zip(outs, rows, strict=True)) / 9
+    assert float(aux) > 0
     (main + 0.1 * mtp + aux).backward()
-    main = main.detach()
-    mtp = mtp.detach()
+    main, mtp, aux = main.detach(), mtp.detach(), aux.detach()
 
     # Same math, only the float32 summation order of 4 gradient buffers differs.
     _assert_close(accumulated, _grads(trainer), 1e-6)
     assert reported["loss"] == pytest.approx(float(main), rel=1e-6)
     assert reported["mtp_loss"] == pytest.approx(float(mtp), rel=1e-6)
+    assert reported["aux_loss"] == pytest.approx(float(aux), rel=1e-6)
     assert counts.supervised == sum(int(o.num_tokens) for o in outs)
     assert counts.mtp[0] == sum(int(o.mtp_num_tokens[0]) for o in outs)
 
@@ -61,13 +64,13 @@ def test_accumulation_equals_one_backward_of_the_summed_loss(tmp_path: Path) -> 
 def test_packed_and_unpacked_layouts_give_the_same_loss_and_gradients(tmp_path: Path) -> None:
     packs = [[200, 40], [33, 150, 60]]  # one sample long enough for an HCA (ratio 128) key
     corpus = FakeCorpus(packs)
-    # The MoE balance loss is a mean over the samples of each row, so it weighs samples
-    # differently in the two layouts by design; it is switched off to compare the rest exactly.
-    no_aux = "model.overrides.moe_aux_loss_coeff=0.0"
-    thd = Trainer(tiny_run(tmp_path, "train.global_batch_size=2", no_aux), corpus=corpus)
+    # The MoE balance loss is a mean over the step's samples, so it too is layout-free; a large
+    # coefficient makes its gradients as visible as the CE's.
+    aux = "model.overrides.moe_aux_loss_coeff=0.5"
+    thd = Trainer(tiny_run(tmp_path, "train.global_batch_size=2", aux), corpus=corpus)
     bshd_gbs = corpus.pack_sample_range(len(packs) - 1)[1]  # every sample of those 2 packs
     bshd = Trainer(
-        tiny_run(tmp_path, "data.layout=bshd", f"train.global_batch_size={bshd_gbs}", no_aux),
+        tiny_run(tmp_path, "data.layout=bshd", f"train.global_batch_size={bshd_gbs}", aux),
         corpus=corpus,
     )
     assert sum(r.num_supervised for r in thd.source.rows(0)) == sum(
@@ -78,4 +81,6 @@ def test_packed_and_unpacked_layouts_give_the_same_loss_and_gradients(tmp_path: 
     # float32 attention/MoE over different row layouts: reductions differ only in order.
     assert loss_thd["loss"] == pytest.approx(loss_bshd["loss"], rel=1e-5)
     assert loss_thd["mtp_loss"] == pytest.approx(loss_bshd["mtp_loss"], rel=1e-5)
+    assert loss_thd["aux_loss"] > 0.1  # 0.5 x (a balance loss near 1) x MoE layers
+    assert loss_thd["aux_loss"] == pytest.approx(loss_bshd["aux_loss"], rel=1e-5)
     _assert_close(_grads(thd), _grads(bshd), 1e-5)
