@@ -48,7 +48,7 @@ def test_accumulation_equals_one_backward_of_the_summed_loss(tmp_path: Path) -> 
     # The balance loss is a mean over the step's samples (each pack's is a mean over its own).
     assert counts.samples == 9 and [r.num_samples for r in rows] == [3, 1, 2, 3]
     aux = sum(o.aux_loss * r.num_samples for o, r in zip(outs, rows, strict=True)) / 9
-    assert float(aux) > 0
+    assert float(aux.detach()) > 0
     (main + 0.1 * mtp + aux).backward()
     main, mtp, aux = main.detach(), mtp.detach(), aux.detach()
 
