@@ -1,6 +1,7 @@
 """PP=2 (2 gloo processes) vs PP=1: same step loss, MTP and balance losses, and every parameter
 gradient, for the tiny model with MTP (dense, CSA and HCA layers, MoE, mHC): 1F1B over 4 packs
-on the even split, and the GPipe fallback (1 pack < 2 stages) on a custom layout string.
+on the even split and on a custom layout string whose first stage holds a routed MoE layer, and
+the GPipe fallback (1 pack < 2 stages).
 
 Both runs backpropagate the trainer's step objective (StepLoss: CE sums over the global token
 counts of all micro-batches), so the only difference is where the layers run.
@@ -30,7 +31,10 @@ TOL = 1e-5  # float32: the stages run the same ops in the same order; only the C
 
 
 def _model() -> DeepseekV4Model:
-    cfg = DeepseekV4Config.preset("tiny", vocab_size=TEST_VOCAB, init_method_std=0.05)
+    # A large balance-loss coefficient makes a wrongly weighted pack visible in the gradients.
+    cfg = DeepseekV4Config.preset(
+        "tiny", vocab_size=TEST_VOCAB, init_method_std=0.05, moe_aux_loss_coeff=0.5
+    )
     torch.manual_seed(0)
     return DeepseekV4Model(cfg)
 
@@ -86,7 +90,13 @@ def test_layout_strings_parse() -> None:
     assert flash[0].has_embedding and flash[2].has_loss and not flash[1].has_loss
 
 
-@pytest.mark.parametrize(("layout", "packs"), [(None, 4), ("Et*2|tmL", 1)], ids=["1f1b", "gpipe"])
+@pytest.mark.parametrize(
+    ("layout", "packs"),
+    [(None, 4), ("Et*2|tmL", 4), ("Et*2|tmL", 1)],
+    # Stage 0 of "Et*2|tmL" holds a routed MoE layer: its balance loss of packs with different
+    # sample counts (3, 2, 3, 3) reaches the backward through the stage output.
+    ids=["1f1b", "1f1b-balance-loss-on-stage-0", "gpipe"],
+)
 def test_pp2_matches_pp1(layout: str | None, packs: int) -> None:
     ref_losses, ref_grads = _reference(packs)
     ranks = run_ranks(_pipeline, 2, layout, packs, timeout_s=120)
