@@ -114,9 +114,18 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def summarize(rows: Sequence[StepMetrics], *, window: int = 5, skipped: int = 0) -> dict[str, Any]:
-    """First/last-window mean loss and mean throughput (the first step, which warms up
-    allocators and caches, is left out of the throughput means when there are others)."""
+def loss_window(steps: int) -> int:
+    """Steps in each first/last loss mean: 5, fewer under 10 steps so the two never overlap."""
+    return max(1, min(5, steps // 2))
+
+
+def summarize(
+    rows: Sequence[StepMetrics], *, window: int | None = None, skipped: int = 0
+) -> dict[str, Any]:
+    """First/last-window mean loss (window: `loss_window(len(rows))` unless given) and mean
+    throughput (the first step, which warms up allocators and caches, is left out of the
+    throughput means when there are others)."""
+    window = window if window is not None else loss_window(len(rows))
     finite = [r for r in rows if not r.nan]
     losses = [r.loss for r in finite]
     timed = finite[1:] if len(finite) > 1 else finite

@@ -37,6 +37,7 @@ from primus_v4.training.loss import StepLoss, count_tokens, reduce_counts
 from primus_v4.training.metrics import (
     MetricsWriter,
     StepMetrics,
+    loss_window,
     make_step_metrics,
     plot_loss,
     summarize,
@@ -341,11 +342,14 @@ class Trainer:
             result.artifacts["config"] = out_dir / "config.yaml"
             if self.cfg.output.plot and rows:
                 result.artifacts["plot"] = plot_loss(rows, out_dir / "loss.png")
+            k = loss_window(len(rows))
             log.info(
-                "done: %d steps, loss first-5 %.4f -> last-5 %.4f, %.1f s",
+                "done: %d steps, loss first-%d %.4f -> last-%d %.4f, %.1f s",
                 summary["steps"],
-                summary["loss_first_5"],
-                summary["loss_last_5"],
+                k,
+                summary[f"loss_first_{k}"],
+                k,
+                summary[f"loss_last_{k}"],
                 summary["total_seconds"],
             )
         return result

@@ -32,6 +32,10 @@ def test_throughput_summary_and_nan_rows(tmp_path: Path) -> None:
     assert rows[-1].nan and not rows[0].nan
     summary = summarize(rows)
     assert summary["loss_first_5"] == 8.0 and summary["loss_last_5"] == 3.0
+    # Under 10 steps the windows shrink so they never overlap (3 steps: first 1 vs last 1).
+    short = summarize(rows[:3])
+    assert short["loss_first_1"] == 10.0 and short["loss_last_1"] == 8.0
+    assert short["loss_drop"] == 2.0
     assert abs(summary["real_fraction"] - 0.9) < 1e-12
     assert "loss_drop" in format_table(summary)
     writer = MetricsWriter(tmp_path / "metrics.jsonl")
