@@ -105,7 +105,7 @@ class PipelineStageModel(DeepseekV4Model):
         labels: torch.Tensor,
         loss_mask: torch.Tensor,
         padding_mask: torch.Tensor,
-        aux_samples: torch.Tensor | None = None,
+        aux_samples: torch.Tensor,
         mtp_ids: torch.Tensor | None = None,
         mtp_labels: torch.Tensor | None = None,
         mtp_mask: torch.Tensor | None = None,
@@ -133,7 +133,7 @@ class PipelineStageModel(DeepseekV4Model):
             )  # fmt: skip
             aux = aux + layer_aux
         if not self.is_last:
-            samples = aux_samples.reshape(()) if aux_samples is not None else aux.new_ones(())
+            samples = aux_samples.reshape(())  # this pack's sample count
             self.aux_total += float(aux.detach() * samples)
             if x_TKD.dtype != self.stream_dtype:
                 raise TypeError(

@@ -70,24 +70,14 @@ def test_no_grad_mode_returns_the_same_value():
 
 
 @pytest.mark.parametrize("chunk", [1, 8, 1000])
-def test_all_rows_head_equals_supervised_rows_head(chunk, monkeypatch):
+def test_all_rows_head_equals_supervised_rows_head(chunk, ce_rows):
     """all_rows runs the head on every row (a conventional trainer's cost), same value and grads."""
-    import primus_v4.models.deepseek_v4.loss as loss_mod
-
-    seen: list[int] = []
-    real_chunk_ce = loss_mod._chunk_ce
-
-    def counting(h_CD, *args, **kwargs):
-        seen.append(h_CD.shape[0])
-        return real_chunk_ce(h_CD, *args, **kwargs)
-
-    monkeypatch.setattr(loss_mod, "_chunk_ce", counting)
     h, w, labels, mask = _inputs()
     got = {}
     for all_rows in (False, True):
-        seen.clear()
+        ce_rows.clear()
         value = chunked_linear_ce(h, w, labels, mask, chunk=chunk, all_rows=all_rows)
         got[all_rows] = (value, *torch.autograd.grad(value * 0.7, (h, w)))
-        assert sum(seen) == (h.shape[0] if all_rows else int((mask != 0).sum()))
+        assert sum(ce_rows) == (h.shape[0] if all_rows else int((mask != 0).sum()))
     for a, b in zip(got[False], got[True], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)  # fp32 chunk order

@@ -207,30 +207,20 @@ def test_chunked_loss_matches_logits_and_mtp_targets(model):
     torch.testing.assert_close(lab.mtp_loss_sums[0], (ce1 * mtp_mask).sum(), rtol=1e-6, atol=1e-5)
 
 
-def test_lm_head_on_all_rows_gives_the_same_losses_and_grads(model, monkeypatch):
-    import primus_v4.models.deepseek_v4.loss as loss_mod
-
+def test_lm_head_on_all_rows_gives_the_same_losses_and_grads(model, ce_rows):
+    p = make_pack()
     heads = {}
     for rows in ("supervised", "all"):
         twin = DeepseekV4Model(tiny_cfg(init_method_std=0.05, lm_head_rows=rows))
         twin.load_state_dict(model.state_dict())
-        seen: list[int] = []
-        real_chunk_ce = loss_mod._chunk_ce
-
-        def counting(h_CD, *args, _seen=seen, _real=real_chunk_ce, **kwargs):
-            _seen.append(h_CD.shape[0])
-            return _real(h_CD, *args, **kwargs)
-
-        monkeypatch.setattr(loss_mod, "_chunk_ce", counting)
-        p = make_pack()
+        ce_rows.clear()
         out, _ = run(
             twin, p["ids"], cu=p["cu"], pos=p["pos"], padding=p["padding"],
             labels=p["labels"], loss_mask=p["loss_mask"],
         )  # fmt: skip
         (out.loss + out.mtp_loss).backward()
         grads = {n: q.grad.clone() for n, q in twin.named_parameters() if q.grad is not None}
-        heads[rows] = (out.loss.detach(), out.mtp_loss.detach(), grads, sum(seen))
-        monkeypatch.setattr(loss_mod, "_chunk_ce", real_chunk_ce)
+        heads[rows] = (out.loss.detach(), out.mtp_loss.detach(), grads, sum(ce_rows))
     s_rows = p["ids"].shape[0]
     assert heads["all"][3] == 2 * s_rows  # main head + one MTP depth, every row
     assert heads["supervised"][3] < heads["all"][3]
