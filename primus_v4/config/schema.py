@@ -57,7 +57,8 @@ class ModelConfig:
     """Which DeepSeek-V4 to build."""
 
     preset: str = "tiny"
-    """A preset file configs/models/<preset>.yaml (DeepseekV4Config fields)."""
+    """A shipped preset (`primus-v4 inspect presets`; primus_v4/configs/models/<preset>.yaml,
+    DeepseekV4Config fields)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """DeepseekV4Config fields that win over the preset, e.g. {num_layers: 2}."""
     dtype: Literal["float32", "bfloat16"] = "float32"
