@@ -60,7 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from primus_v4.config.preflight import check_paths
+
     cfg = load_config(args.config, args.overrides)
+    check_paths(cfg)  # seconds, before the model config imports torch
     resolved = resolve_run(cfg)
     if args.dry_run:
         payload = {**to_dict(cfg), "derived": resolved.summary()}
