@@ -160,6 +160,58 @@ def _presets_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "dir", help="a checkpoint.dir (every checkpoint in it) or one step_NNNNNNNN checkpoint"
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every file's size and sha256 against the checkpoint's manifest; exit 1 "
+        "when a checkpoint is damaged",
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
+
+
+def _checkpoint_run(args: argparse.Namespace) -> int:
+    from primus_v4.errors import PrimusError
+
+    root = Path(args.dir).expanduser()
+    if not root.is_dir():
+        raise PrimusError(f"checkpoint dir {root} does not exist")
+    dirs = [root] if root.name.startswith("step_") else sorted(root.glob("step_*"))
+    dirs += sorted(root.glob(".tmp_step_*"))
+    bad = False
+    for path in dirs:
+        item = _checkpoint_entry(path, verify=args.verify)
+        bad |= bool(item["problems"])
+        if args.json:
+            print(json.dumps(item))
+            continue
+        print(f"{path}: {item['status']}, {item['bytes'] / 2**20:.1f} MiB, {item['files']} files")
+        for problem in item["problems"]:
+            print(f"  {problem}")
+    if not dirs and not args.json:
+        print(f"{root}: no checkpoints")
+    return 1 if bad else 0
+
+
+def _checkpoint_entry(path: Path, *, verify: bool) -> dict:
+    from primus_v4.data.cache import dir_bytes
+    from primus_v4.training import checkpoint_integrity as integrity
+
+    files = sum(1 for p in path.rglob("*") if p.is_file())
+    if not integrity.is_complete(path):
+        status, problems = "incomplete (a save that did not finish; never loaded)", []
+    elif verify:
+        problems = integrity.verify(path)
+        status = "DAMAGED" if problems else "verified"
+    else:
+        status, problems = "complete", []
+    return {"checkpoint": str(path), "status": status, "problems": problems,
+            "bytes": dir_bytes(path), "files": files}  # fmt: skip
+
+
 # view name -> (help, add_arguments, run)
 VIEWS: dict[
     str,
@@ -173,6 +225,11 @@ VIEWS: dict[
     "presets": ("the shipped model presets and run configs", _presets_arguments, _presets_run),
     "model": ("parameter counts of a model preset by component", _model_arguments, _model_run),
     "cache": ("list pack cache entries: key, stats, size", _cache_arguments, _cache_run),
+    "checkpoint": (
+        "list training checkpoints; --verify checks their checksums",
+        _checkpoint_arguments,
+        _checkpoint_run,
+    ),
 }
 
 

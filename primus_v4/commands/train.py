@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from primus_v4.config import load_config, resolve_run, to_dict
 
@@ -70,16 +71,35 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(payload, separators=(",", ":"), sort_keys=False))
         return 0
 
-    from primus_v4.training.metrics import format_table
     from primus_v4.training.trainer import Trainer
 
-    trainer = Trainer(resolved)
+    return execute(Trainer(resolved))
+
+
+def execute(trainer: Any) -> int:
+    """Train, print the summary (rank 0), and say how a preempted run continues; exit status."""
+    from primus_v4.training.metrics import format_table
+
     try:
         result = trainer.train()
     finally:
         trainer.runtime.close()
-    if trainer.runtime.is_main:
-        print(format_table(result.summary, title=f"run summary ({result.output_dir})"))
-        for name, path in result.artifacts.items():
-            print(f"{name}: {path}", file=sys.stderr)
+    if not trainer.runtime.is_main:
+        return 0
+    print(format_table(result.summary, title=f"run summary ({result.output_dir})"))
+    for name, path in result.artifacts.items():
+        print(f"{name}: {path}", file=sys.stderr)
+    if result.stopped_at is not None:
+        if result.saved is not None:
+            print(
+                f"primus-v4 train: stopped on {result.stop_signal}: saved step "
+                f"{result.stopped_at} to {result.saved}; rerun the same command to resume",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"primus-v4 train: stopped on {result.stop_signal} after step "
+                f"{result.stopped_at}; nothing saved (checkpoint.dir is not set)",
+                file=sys.stderr,
+            )
     return 0

@@ -213,10 +213,16 @@ class CheckpointConfig:
     interval: int = 0
     """Save every this many steps (and at the end); 0 = only at the end."""
     resume: bool = True
-    """Resume from the latest complete checkpoint in dir when there is one."""
+    """Resume from the newest intact checkpoint in dir when there is one (a damaged newer one is
+    reported by file and skipped). The model and world size must match the saved run; a changed
+    schedule (steps, lr, min_lr, warmup) is allowed and applies from the resumed step."""
+    keep_last: int = 3
+    """Keep the newest this many complete checkpoints; older ones are deleted once a newer one is
+    published. 0 keeps all."""
 
     def __post_init__(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval", "must be >= 0 (0 = only at the end)")
+        _require(self.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0 keeps all)")
 
 
 SECTIONS: dict[str, type] = {

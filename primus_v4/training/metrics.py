@@ -165,14 +165,14 @@ def format_table(summary: dict[str, Any], title: str = "run summary") -> str:
 
 
 def plot_loss(rows: Sequence[StepMetrics], path: str | Path) -> Path:
-    """loss.png: loss (and MTP loss) and gradient norm vs step, side by side."""
+    """loss.png: loss (and MTP loss), gradient norm and learning rate vs step, side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r.step for r in rows]
-    fig, (ax_loss, ax_norm) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_loss, ax_norm, ax_lr) = plt.subplots(1, 3, figsize=(14, 4))
     ax_loss.plot(steps, [r.loss for r in rows], label="loss", marker=".")
     if any(r.mtp_loss for r in rows):
         ax_loss.plot(steps, [r.mtp_loss for r in rows], label="mtp loss", alpha=0.7)
@@ -180,6 +180,8 @@ def plot_loss(rows: Sequence[StepMetrics], path: str | Path) -> Path:
     ax_loss.legend()
     ax_norm.plot(steps, [r.grad_norm for r in rows], color="tab:red", marker=".")
     ax_norm.set(xlabel="step", ylabel="global grad norm (before clip)", title="grad norm")
+    ax_lr.plot(steps, [r.lr for r in rows], color="tab:green", marker=".")
+    ax_lr.set(xlabel="step", ylabel="learning rate", title="lr")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)

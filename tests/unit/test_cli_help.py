@@ -31,7 +31,7 @@ def _all_parsers() -> dict[str, argparse.ArgumentParser]:
 
 def test_every_option_of_every_command_has_help() -> None:
     parsers = _all_parsers()
-    assert {"primus-v4 train", "primus-v4 pack", "primus-v4 inspect cache"} <= set(parsers)
+    assert {"primus-v4 train", "primus-v4 pack", "primus-v4 inspect checkpoint"} <= set(parsers)
     missing = [
         f"{name} {action.option_strings or action.dest}"
         for name, parser in parsers.items()
@@ -59,8 +59,8 @@ def test_inspect_lists_its_views(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["inspect", "--help"])
     out = capsys.readouterr().out
-    for view in ("config", "presets", "model", "cache"):
-        assert f"\n    {view} " in out
+    for view in ("config", "presets", "model", "cache", "checkpoint"):
+        assert f"\n    {view} " in out or f"\n    {view}\n" in out
 
 
 def test_config_reference_documents_every_key(capsys: pytest.CaptureFixture[str]) -> None:
