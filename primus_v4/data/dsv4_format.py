@@ -224,6 +224,37 @@ def supervised_turns(messages: list[dict[str, Any]]) -> list[int]:
     ]
 
 
+def plain_chat_samples(
+    messages: list[dict[str, Any]],
+) -> list[tuple[str, list[tuple[int, int]]]] | None:
+    """Chat-mode samples of the common shape, system* (user assistant)+ with text only, built
+    directly (the general path gives the same; this one skips merging and per-message
+    dispatch). None when the conversation has any other shape."""
+    k = 0
+    while k < len(messages) and messages[k]["role"] == "system":
+        if messages[k].get("tools") or messages[k].get("response_format") is not None:
+            return None
+        k += 1
+    if k == len(messages) or (len(messages) - k) % 2:
+        return None
+    parts = [BOS, *(m["content"] or "" for m in messages[:k])]
+    offset = sum(map(len, parts))
+    spans = []
+    for user, answer in zip(messages[k::2], messages[k + 1 :: 2], strict=True):
+        if user["role"] != "user" or user.get("task") is not None or answer["role"] != "assistant":
+            return None
+        if answer.get("tool_calls") or answer.get("wo_eos"):
+            return None
+        prompt = USER + user["content"] + ASSISTANT + END_THINK
+        completion = (answer["content"] or "") + EOS
+        parts += (prompt, completion)
+        offset += len(prompt)
+        if answer.get("weight", 1) != 0:
+            spans.append((offset, offset + len(completion)))
+        offset += len(completion)
+    return [("".join(parts), spans)] if spans else []
+
+
 def conversation_samples(
     messages: list[dict[str, Any]], mode: str
 ) -> list[tuple[str, list[tuple[int, int]]]]:

@@ -100,6 +100,10 @@ def row_samples(
     if mode == "auto":
         thinking = any(m.get("reasoning_content") for m in messages if m["role"] == "assistant")
         mode = "thinking" if thinking else "chat"
+    if mode == "chat":
+        plain = dsv4_format.plain_chat_samples(messages)
+        if plain is not None:
+            return mode, plain
     merged = dsv4_format.merge_tool_messages(messages)
     dsv4_format.sort_tool_results(merged)
     return mode, dsv4_format.conversation_samples(merged, mode)

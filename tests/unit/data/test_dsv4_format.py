@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from primus_v4.data import dsv4_format, shapes
 from primus_v4.data.corpus import RawRow
 from primus_v4.data.dsv4_format import BOS, EOS
 from primus_v4.data.templates import render, row_samples
@@ -198,3 +199,29 @@ def test_token_ids_are_those_of_the_whole_rendered_string(tokenizer: TextTokeniz
             assert r.tokens[offset : offset + length].tolist() == ids.tolist(), text
             assert r.supervised[offset : offset + length].tolist() == want.tolist(), text
             offset += length
+
+
+def test_plain_chat_shortcut_equals_the_general_renderer() -> None:
+    conversations = [
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+        [
+            {"role": "system", "content": "A."},
+            {"role": "system", "content": "B."},
+            {"role": "user", "content": "¿Qué?"},
+            {"role": "assistant", "content": None, "weight": 0},
+            {"role": "user", "content": ""},
+            {"role": "assistant", "reasoning_content": "hidden in chat", "content": "Nada."},
+        ],
+    ]
+    for messages in conversations:
+        norm = shapes.row_messages({"messages": messages}, "messages")
+        merged = dsv4_format.merge_tool_messages(norm)
+        dsv4_format.sort_tool_results(merged)
+        plain = dsv4_format.plain_chat_samples(norm)
+        assert plain is not None and plain == dsv4_format.conversation_samples(merged, "chat")
+    # Anything else takes the general path.
+    two_users = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, ANSWER_MSG]
+    assert dsv4_format.plain_chat_samples(two_users) is None
+
+
+ANSWER_MSG = {"role": "assistant", "content": "ok"}
