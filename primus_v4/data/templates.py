@@ -125,12 +125,16 @@ class _Collected:
     modes: Counter[str] = field(default_factory=Counter)
 
 
-def _add_sample(out: _Collected, text: str, spans: list[tuple[int, int]]) -> None:
+def _add_sample(
+    out: _Collected, text: str, spans: list[tuple[int, int]], *, split_ok: bool
+) -> None:
     n = len(out.rows) - 1
     cuts = [c for span in spans for c in span]
     specials = dsv4_format.SPECIAL_TEXTS
     inner = [c for c in cuts if 0 < c < len(text)]
-    if not all(text.startswith(specials, c) or text.endswith(specials, 0, c) for c in inner):
+    if not split_ok or not all(
+        text.startswith(specials, c) or text.endswith(specials, 0, c) for c in inner
+    ):
         out.whole[n] = (text, spans)
         return
     start = 0
@@ -147,7 +151,9 @@ def _add_sample(out: _Collected, text: str, spans: list[tuple[int, int]]) -> Non
         out.piece_sample.append(n)
 
 
-def _collect(rows: Sequence[RawRow], shape: str, chat_mode: str, *, strict: bool) -> _Collected:
+def _collect(
+    rows: Sequence[RawRow], shape: str, chat_mode: str, *, strict: bool, split_ok: bool = True
+) -> _Collected:
     out = _Collected()
     for index, row in enumerate(rows):
         try:
@@ -169,7 +175,7 @@ def _collect(rows: Sequence[RawRow], shape: str, chat_mode: str, *, strict: bool
         out.modes[mode] += 1
         for text, spans in samples:
             out.rows.append(index)
-            _add_sample(out, text, spans)
+            _add_sample(out, text, spans, split_ok=split_ok)
     return out
 
 
@@ -226,7 +232,7 @@ def render(
     if chat_mode not in CHAT_MODES:
         raise DataError(f"unknown chat mode {chat_mode!r}: expected one of {', '.join(CHAT_MODES)}")
     shape = resolve_format(rows, fmt, where)
-    out = _collect(rows, shape, chat_mode, strict=strict)
+    out = _collect(rows, shape, chat_mode, strict=strict, split_ok=tokenizer.splits_at_specials)
     if out.bad:
         first = "; ".join(f"{e['where']}: {e['detail']}" for e in out.examples)
         log.warning(
