@@ -300,6 +300,23 @@ def _sharegpt_call(value: str, where: str) -> list[dict[str, Any]]:
     return tool_calls(calls, where)
 
 
+def _sharegpt_call_turn(messages: list[dict[str, Any]], turn: dict[str, Any], where: str) -> None:
+    """A function_call turn joins the gpt text right before it (one assistant message), or is
+    an assistant message of its own."""
+    calls = _sharegpt_call(turn["value"], where)
+    weight = None if turn.get("weight") is None else _weight(turn["weight"], where)
+    prev = messages[-1] if messages else None
+    if prev is not None and prev["role"] == "assistant" and not prev.get("tool_calls"):
+        if weight is not None and weight != prev.get("weight", 1):
+            raise BadRow("bad_field_type", f"{where} weight differs from the gpt turn before it")
+        prev["tool_calls"] = calls
+        return
+    msg: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": calls}
+    if weight is not None:
+        msg["weight"] = weight
+    messages.append(msg)
+
+
 def _sharegpt(row: dict[str, Any]) -> list[dict[str, Any]]:
     turns = row.get("conversations")
     if not isinstance(turns, list):
@@ -322,12 +339,7 @@ def _sharegpt(row: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(value, str):
             raise BadRow("bad_field_type", f"{where} value is not a string")
         if role == "function_call":
-            calls = _sharegpt_call(value, where)
-            prev = messages[-1] if messages else None
-            if prev is not None and prev["role"] == "assistant" and not prev.get("tool_calls"):
-                prev["tool_calls"] = calls  # gpt text then its call: one assistant message
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+            _sharegpt_call_turn(messages, turn, where)
             continue
         msg: dict[str, Any] = {"role": role, "content": value}
         if role == "assistant":
