@@ -109,7 +109,14 @@ Resolved = list[tuple[SourceSpec, CorpusSource]]
 
 
 def resolve_sources(spec: PackSpec) -> Resolved:
-    return [(s, resolve_source(s.path, split=s.split, subset=s.subset)) for s in spec.sources()]
+    out = [(s, resolve_source(s.path, split=s.split, subset=s.subset)) for s in spec.sources()]
+    for s, src in out:
+        if src.kind != "hub" and (s.split or s.subset):
+            raise DataError(
+                f"data source {s.path}: split/subset apply to hub datasets only, and this is a "
+                f"local {src.kind}; drop them or point to the split's own file or directory"
+            )
+    return out
 
 
 def key_fields(spec: PackSpec, sources: Resolved, tokenizer_dir: Path) -> dict[str, Any]:

@@ -175,8 +175,9 @@ def tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
 
 def _check_keys(msg: dict[str, Any], role: str, where: str) -> None:
     allowed = _ROLE_KEYS[role]
-    for key in msg:
-        if key == "role" or key in allowed or key in METADATA_KEYS:
+    for key, value in msg.items():
+        # None carries nothing: parquet and hub rows give every message every column's key.
+        if key == "role" or key in allowed or key in METADATA_KEYS or value is None:
             continue
         misplaced = any(key in keys for keys in _ROLE_KEYS.values())
         raise BadRow(
@@ -217,7 +218,7 @@ def message(msg: Any, where: str) -> dict[str, Any]:
         out["reasoning_content"] = reasoning
         if msg.get("tool_calls"):
             out["tool_calls"] = tool_calls(msg["tool_calls"], where)
-        if "weight" in msg:
+        if msg.get("weight") is not None:
             out["weight"] = _weight(msg["weight"], where)
         if msg.get("wo_eos"):
             out["wo_eos"] = True
@@ -299,6 +300,23 @@ def _sharegpt_call(value: str, where: str) -> list[dict[str, Any]]:
     return tool_calls(calls, where)
 
 
+def _sharegpt_call_turn(messages: list[dict[str, Any]], turn: dict[str, Any], where: str) -> None:
+    """A function_call turn joins the gpt text right before it (one assistant message), or is
+    an assistant message of its own."""
+    calls = _sharegpt_call(turn["value"], where)
+    weight = None if turn.get("weight") is None else _weight(turn["weight"], where)
+    prev = messages[-1] if messages else None
+    if prev is not None and prev["role"] == "assistant" and not prev.get("tool_calls"):
+        if weight is not None and weight != prev.get("weight", 1):
+            raise BadRow("bad_field_type", f"{where} weight differs from the gpt turn before it")
+        prev["tool_calls"] = calls
+        return
+    msg: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": calls}
+    if weight is not None:
+        msg["weight"] = weight
+    messages.append(msg)
+
+
 def _sharegpt(row: dict[str, Any]) -> list[dict[str, Any]]:
     turns = row.get("conversations")
     if not isinstance(turns, list):
@@ -312,7 +330,8 @@ def _sharegpt(row: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(turn, dict) or turn.get("from") not in _SHAREGPT_ROLES:
             got = turn.get("from") if isinstance(turn, dict) else turn
             raise BadRow("bad_role", f"{where} has from={got!r}; expected {list(_SHAREGPT_ROLES)}")
-        extra = set(turn) - {"from", "value", "weight"} - METADATA_KEYS
+        extra = {k for k, v in turn.items() if v is not None} - {"from", "value", "weight"}
+        extra -= METADATA_KEYS
         if extra:
             raise BadRow("unknown_key", f"{where} has keys {sorted(extra)} that are not rendered")
         role = _SHAREGPT_ROLES[turn["from"]]
@@ -320,17 +339,12 @@ def _sharegpt(row: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(value, str):
             raise BadRow("bad_field_type", f"{where} value is not a string")
         if role == "function_call":
-            calls = _sharegpt_call(value, where)
-            prev = messages[-1] if messages else None
-            if prev is not None and prev["role"] == "assistant" and not prev.get("tool_calls"):
-                prev["tool_calls"] = calls  # gpt text then its call: one assistant message
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+            _sharegpt_call_turn(messages, turn, where)
             continue
         msg: dict[str, Any] = {"role": role, "content": value}
         if role == "assistant":
             msg["reasoning_content"] = None
-            if "weight" in turn:
+            if turn.get("weight") is not None:
                 msg["weight"] = _weight(turn["weight"], where)
         elif role == "tool":
             msg["tool_call_id"] = ""
@@ -367,14 +381,16 @@ _READERS = {
 
 def row_messages(row: dict[str, Any], shape: str) -> list[dict[str, Any]]:
     """A row of `shape` -> normalized messages; raises BadRow."""
-    unread = [k for k in row if k in CONTENT_KEYS and k not in _READS[shape]]
+    messages = _READERS[shape](row)
+    unread = [
+        k for k, v in row.items() if k in CONTENT_KEYS and k not in _READS[shape] and v is not None
+    ]
     if unread:
         raise BadRow(
             "unread_field",
             f"fields {unread} carry conversation content but a {shape} row does not read them; "
             "remove them or pass the row's real format with --format",
         )
-    messages = _READERS[shape](row)
     if shape != "alpaca":
         _attach_tools(messages, row)
     return messages

@@ -31,6 +31,8 @@ log = get_logger(__name__)
 # Part of the cache key: bump when rendering changes for the same rows and tokenizer.
 TEMPLATE_ID = "deepseek_v4_encoding/v2"
 FORMATS = (*shapes.SHAPES, "auto")
+# The stats' chat-mode count of rows whose reasoning a forced chat mode does not render.
+CHAT_WITHOUT_REASONING = "chat, reasoning not rendered"
 CHAT_MODES = dsv4_format.CHAT_MODES
 # Bad rows whose file and line are kept (stats and the warning) besides the counts.
 BAD_EXAMPLES = 5
@@ -91,22 +93,24 @@ def resolve_format(rows: Sequence[RawRow], fmt: str, where: str) -> str:
 def row_samples(
     value: Any, shape: str, chat_mode: str
 ) -> tuple[str, list[tuple[str, list[tuple[int, int]]]]]:
-    """One row -> (chat mode used, samples as (text, supervised char spans)); raises BadRow."""
+    """One row -> (chat mode used, samples as (text, supervised char spans)); raises BadRow.
+
+    The mode reads CHAT_WITHOUT_REASONING for a row with reasoning rendered in forced chat mode.
+    """
     if not isinstance(value, dict):
         raise BadRow("not_an_object", f"a {type(value).__name__}, not a JSON object")
     messages = shapes.row_messages(value, shape)
     shapes.check_trainable(messages)
-    mode = chat_mode
-    if mode == "auto":
-        thinking = any(m.get("reasoning_content") for m in messages if m["role"] == "assistant")
-        mode = "thinking" if thinking else "chat"
+    thinking = any(m.get("reasoning_content") for m in messages if m["role"] == "assistant")
+    mode = ("thinking" if thinking else "chat") if chat_mode == "auto" else chat_mode
+    label = CHAT_WITHOUT_REASONING if mode == "chat" and thinking else mode
     if mode == "chat":
         plain = dsv4_format.plain_chat_samples(messages)
         if plain is not None:
-            return mode, plain
+            return label, plain
     merged = dsv4_format.merge_tool_messages(messages)
     dsv4_format.sort_tool_results(merged)
-    return mode, dsv4_format.conversation_samples(merged, mode)
+    return label, dsv4_format.conversation_samples(merged, mode)
 
 
 @dataclass(kw_only=True)
@@ -121,12 +125,16 @@ class _Collected:
     modes: Counter[str] = field(default_factory=Counter)
 
 
-def _add_sample(out: _Collected, text: str, spans: list[tuple[int, int]]) -> None:
+def _add_sample(
+    out: _Collected, text: str, spans: list[tuple[int, int]], *, split_ok: bool
+) -> None:
     n = len(out.rows) - 1
     cuts = [c for span in spans for c in span]
     specials = dsv4_format.SPECIAL_TEXTS
     inner = [c for c in cuts if 0 < c < len(text)]
-    if not all(text.startswith(specials, c) or text.endswith(specials, 0, c) for c in inner):
+    if not split_ok or not all(
+        text.startswith(specials, c) or text.endswith(specials, 0, c) for c in inner
+    ):
         out.whole[n] = (text, spans)
         return
     start = 0
@@ -143,7 +151,9 @@ def _add_sample(out: _Collected, text: str, spans: list[tuple[int, int]]) -> Non
         out.piece_sample.append(n)
 
 
-def _collect(rows: Sequence[RawRow], shape: str, chat_mode: str, *, strict: bool) -> _Collected:
+def _collect(
+    rows: Sequence[RawRow], shape: str, chat_mode: str, *, strict: bool, split_ok: bool = True
+) -> _Collected:
     out = _Collected()
     for index, row in enumerate(rows):
         try:
@@ -165,7 +175,7 @@ def _collect(rows: Sequence[RawRow], shape: str, chat_mode: str, *, strict: bool
         out.modes[mode] += 1
         for text, spans in samples:
             out.rows.append(index)
-            _add_sample(out, text, spans)
+            _add_sample(out, text, spans, split_ok=split_ok)
     return out
 
 
@@ -222,7 +232,7 @@ def render(
     if chat_mode not in CHAT_MODES:
         raise DataError(f"unknown chat mode {chat_mode!r}: expected one of {', '.join(CHAT_MODES)}")
     shape = resolve_format(rows, fmt, where)
-    out = _collect(rows, shape, chat_mode, strict=strict)
+    out = _collect(rows, shape, chat_mode, strict=strict, split_ok=tokenizer.splits_at_specials)
     if out.bad:
         first = "; ".join(f"{e['where']}: {e['detail']}" for e in out.examples)
         log.warning(
@@ -231,6 +241,13 @@ def render(
             where,
             dict(out.bad),
             first,
+        )
+    if out.modes.get(CHAT_WITHOUT_REASONING):
+        log.warning(
+            "%s: %d rows carry reasoning_content that chat mode does not render (as served in "
+            "chat mode); use --chat-mode thinking or auto to train on it",
+            where,
+            out.modes[CHAT_WITHOUT_REASONING],
         )
     if not out.rows:
         raise DataError(

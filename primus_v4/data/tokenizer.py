@@ -119,6 +119,7 @@ class TextTokenizer:
         except Exception as exc:  # the Rust loader raises plain Exception subclasses
             raise DataError(f"cannot load {tokenizer_dir / 'tokenizer.json'}: {exc}") from exc
         self.special = self._special_ids()
+        self.splits_at_specials = self._splits_at_specials()
 
     def _special_ids(self) -> SpecialIds:
         config: dict[str, Any] = {}
@@ -153,6 +154,14 @@ class TextTokenizer:
                 "DeepSeek-V4 tokenizer"
             )
         return SpecialIds(**ids)
+
+    def _splits_at_specials(self) -> bool:
+        """True when encoding text pieces cut at added tokens gives the whole text's ids: no
+        normalizer (it could see across a cut) and no added token that strips its neighbours.
+        Anything not recognized as such counts as False (samples are then encoded whole)."""
+        plain = repr(self._tok.normalizer) in ("None", "Sequence(normalizers=[])")
+        added = self._tok.get_added_tokens_decoder().values()
+        return plain and not any(t.lstrip or t.rstrip for t in added)
 
     @property
     def vocab_size(self) -> int:

@@ -225,3 +225,28 @@ def test_plain_chat_shortcut_equals_the_general_renderer() -> None:
 
 
 ANSWER_MSG = {"role": "assistant", "content": "ok"}
+
+
+def test_forced_chat_mode_counts_rows_whose_reasoning_it_does_not_render(
+    tokenizer: TextTokenizer,
+) -> None:
+    rows = [
+        RawRow(
+            where="r1",
+            value={
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a", "reasoning_content": "why"},
+                ]
+            },
+        ),
+        RawRow(where="r2", value={"prompt": "q", "completion": "a"}),
+    ]
+    forced = render(rows[:1], tokenizer, fmt="messages", where="t", chat_mode="chat")
+    assert forced.modes == {"chat, reasoning not rendered": 1}
+    assert "why" not in tokenizer.decode(forced.tokens)
+    auto = render(rows[:1], tokenizer, fmt="messages", where="t", chat_mode="auto")
+    assert auto.modes == {"thinking": 1} and "why</think>" in tokenizer.decode(
+        auto.tokens[auto.supervised]
+    )
+    assert render(rows[1:], tokenizer, fmt="auto", where="t").modes == {"chat": 1}

@@ -232,3 +232,24 @@ def test_strict_fails_on_a_fresh_build_and_on_a_cache_hit(
     assert "hit" in out and f"{path} line 2" in out  # the first bad rows are in the summary
     assert main([*argv, "--strict"]) == 2
     assert "--strict: the cached packs" in capsys.readouterr().err
+
+
+def test_parquet_rows_with_every_column_on_every_message(
+    tmp_path: Path, tokenizer: TextTokenizer
+) -> None:
+    """Parquet (and hub) rows give each message every key of the column, None where unused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = SHAPES_OF_ONE_CONVERSATION["messages"]
+    path = tmp_path / "chat.parquet"
+    messages = [{**m} for m in row["messages"]]
+    for m in messages:  # a plain-text content column: parts become their joined text
+        if isinstance(m.get("content"), list):
+            m["content"] = "Et\n\nchien ?"
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{"function": c["function"]} for c in m["tool_calls"]]
+    pq.write_table(pa.Table.from_pylist([{**row, "messages": messages, "chosen": None}]), path)
+    got = _render(path, tokenizer, strict=True)
+    assert read_rows(resolve_source(str(path)))[0].value["messages"][0]["tool_calls"] is None
+    _same(got, _render(_write(tmp_path / "m.jsonl", [row]), tokenizer))
