@@ -82,8 +82,7 @@ def path_problems(cfg: RunConfig) -> list[str]:
 
 
 def _eval_corpora(cfg: RunConfig) -> list[tuple[str, str]]:
-    eval_path = getattr(cfg.data, "eval_path", None)
-    return [("data.eval_path", eval_path)] if eval_path else []
+    return [("data.eval_path", cfg.data.eval_path)] if cfg.data.eval_path else []
 
 
 def check_paths(cfg: RunConfig) -> None:

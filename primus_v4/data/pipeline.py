@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from primus_v4.data import cache
+from primus_v4.data import cache, holdout
 from primus_v4.data.corpus import CorpusSource, read_rows, resolve_source
 from primus_v4.data.loader import PackedCorpus
 from primus_v4.data.packing import ALGORITHMS, pack, segment_cap
@@ -68,6 +68,8 @@ class PackSpec:
     strict: bool = False  # bad rows raise DataError (file + line) instead of being counted
     cache_dir: str | Path | None = None  # None = $PRIMUS_PACK_CACHE_DIR or node-local tmp
     lock_dir: str | Path | None = None  # None = $PRIMUS_PACK_LOCK_DIR or node-local tmp
+    holdout_fraction: float = 0.0  # rows held out for evaluation before packing (holdout.py)
+    split: str = "all"  # all | train (rows not held out) | eval (the held-out rows)
     lock_timeout_s: float = 600.0  # max wait for another builder; keep below collective timeout
 
     def __post_init__(self) -> None:
@@ -77,11 +79,14 @@ class PackSpec:
             ("format", self.format, FORMATS),
             ("algorithm", self.algorithm, ALGORITHMS),
             ("overlong", self.overlong, OVERLONG),
+            ("split", self.split, holdout.SPLITS),
         ):
             if value not in allowed:
                 raise DataError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.lock_timeout_s <= 0:
             raise DataError(f"lock_timeout_s must be > 0, got {self.lock_timeout_s}")
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise DataError(f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else cache.default_cache_dir()
@@ -102,7 +107,13 @@ def key_fields(spec: PackSpec, source: CorpusSource, tokenizer_dir: Path) -> dic
         "segment_cap": segment_cap(spec.seq_length),
         "overlong": spec.overlong,
         "align": 1,  # samples start at any token; kept so a future alignment option cannot alias
+        # Only a real split enters the key, so the keys of unsplit corpora stay as they were.
+        **({"split": f"{spec.split}:{spec.holdout_fraction}"} if _is_split(spec) else {}),
     }
+
+
+def _is_split(spec: PackSpec) -> bool:
+    return spec.split != "all" and spec.holdout_fraction > 0
 
 
 def pack_key(spec: PackSpec) -> str:
@@ -189,6 +200,10 @@ def _render_and_pack(
 ) -> tuple[Rendered, np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
     """-> (rendered, kept sample ids, their kept lengths, pack order, pack offsets, counts)."""
     rows = read_rows(source)
+    if _is_split(spec):
+        rows = holdout.select(
+            rows, fraction=spec.holdout_fraction, split=spec.split, where=source.describe()
+        )
     bar = _Progress(progress)
     try:
         rendered = render(

@@ -16,6 +16,7 @@ Where the parallel pieces plug in (identities in one process):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -135,6 +136,7 @@ class Trainer:
         runtime: Runtime | None = None,
         corpus: Corpus | None = None,
         model: nn.Module | None = None,
+        eval_corpus: Corpus | None = None,
     ) -> None:
         self.run = run
         self.cfg = run.cfg
@@ -158,6 +160,20 @@ class Trainer:
         self.skipped_steps = 0
         self.stopped: tuple[int, str, Path | None] | None = None
         self.checkpoints = self._checkpoints()
+        self.evaluator = self._evaluator(eval_corpus)
+
+    def _evaluator(self, corpus: Corpus | None) -> Any:
+        """Held-out loss (primus_v4.training.evaluation); None without evaluation data."""
+        if corpus is None and self.run.eval_data is None:
+            return None
+        from primus_v4.data.pipeline import build_or_load
+        from primus_v4.training.evaluation import Evaluator
+
+        corpus = corpus if corpus is not None else build_or_load(self.run.eval_data)
+        t = self.cfg.train
+        return Evaluator(
+            corpus, layout=self.cfg.data.layout, interval=t.eval_interval, total_steps=t.steps
+        )
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         """This rank's pipeline stage with its expert shards (one process: unchanged)."""
@@ -317,6 +333,8 @@ class Trainer:
         with bar, _logging_around(bar), stop_on_signals(self.runtime.device) as stop:
             for step in range(self.start_step, steps):
                 metrics = self.train_step(step)
+                if self.evaluator is not None and self.evaluator.due(step + 1):
+                    metrics = dataclasses.replace(metrics, **self.evaluator.run(self))
                 rows.append(metrics)
                 if writer is not None:
                     writer.write(metrics)
