@@ -78,6 +78,11 @@ def path_problems(cfg: RunConfig) -> list[str]:
         resolve_tokenizer_dir(cfg.data.tokenizer)
     except DataError as exc:
         problems.append(f"data.tokenizer: {exc}")
+    if cfg.output.tensorboard:
+        from primus_v4.training import tensorboard
+
+        if not tensorboard.available():
+            problems.append(tensorboard.MISSING)
     return problems
 
 

@@ -218,7 +218,10 @@ class OutputConfig:
     progress_bar: bool = True
     """tqdm bar on rank 0 (stderr)."""
     plot: bool = True
-    """Write loss.png (loss and grad norm vs step) at the end."""
+    """Write loss.png (loss, eval loss, grad norm and lr vs step) at the end."""
+    tensorboard: bool = False
+    """Also write the metrics.jsonl scalars as TensorBoard events under <dir>/tensorboard (needs
+    the `tensorboard` extra: pip install 'primus_v4[tensorboard]')."""
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "output.dir", "must not be empty")

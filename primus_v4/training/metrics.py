@@ -102,20 +102,31 @@ def _json_safe(value: Any) -> Any:
 class MetricsWriter:
     """Appends one JSON object per step to metrics.jsonl, flushed so a crash keeps every row."""
 
-    def __init__(self, path: str | Path, *, append: bool = False) -> None:
+    def __init__(
+        self, path: str | Path, *, append: bool = False, tensorboard_dir: str | Path | None = None
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] = self.path.open("a" if append else "w")
         self.rows: list[StepMetrics] = []
+        self._tensorboard: Any = None
+        if tensorboard_dir is not None:  # the same rows as TensorBoard scalars
+            from primus_v4.training.tensorboard import TensorBoardSink
+
+            self._tensorboard = TensorBoardSink(tensorboard_dir)
 
     def write(self, metrics: StepMetrics) -> None:
         row = {k: _json_safe(v) for k, v in asdict(metrics).items()}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         self.rows.append(metrics)
+        if self._tensorboard is not None:
+            self._tensorboard.write(metrics)
 
     def close(self) -> None:
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

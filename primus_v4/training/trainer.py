@@ -310,8 +310,13 @@ class Trainer:
             self.start_step = self.checkpoints.load_latest(**self._state()) or 0
         if main and self.start_step > 0:  # rows after the resumed step are redone: drop them
             keep_rows_through(out_dir / "metrics.jsonl", self.start_step)
+        tensorboard = out_dir / "tensorboard" if self.cfg.output.tensorboard else None
         writer = (
-            MetricsWriter(out_dir / "metrics.jsonl", append=self.start_step > 0) if main else None
+            MetricsWriter(
+                out_dir / "metrics.jsonl", append=self.start_step > 0, tensorboard_dir=tensorboard
+            )
+            if main
+            else None
         )
         rows: list[StepMetrics] = []
         try:
