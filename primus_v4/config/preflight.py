@@ -78,12 +78,16 @@ def path_problems(cfg: RunConfig) -> list[str]:
         resolve_tokenizer_dir(cfg.data.tokenizer)
     except DataError as exc:
         problems.append(f"data.tokenizer: {exc}")
+    if cfg.output.tensorboard:
+        from primus_v4.training import tensorboard
+
+        if not tensorboard.available():
+            problems.append(tensorboard.MISSING)
     return problems
 
 
 def _eval_corpora(cfg: RunConfig) -> list[tuple[str, str]]:
-    eval_path = getattr(cfg.data, "eval_path", None)
-    return [("data.eval_path", eval_path)] if eval_path else []
+    return [("data.eval_path", cfg.data.eval_path)] if cfg.data.eval_path else []
 
 
 def check_paths(cfg: RunConfig) -> None:

@@ -16,6 +16,7 @@ Where the parallel pieces plug in (identities in one process):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -137,6 +138,7 @@ class Trainer:
         runtime: Runtime | None = None,
         corpus: Corpus | None = None,
         model: nn.Module | None = None,
+        eval_corpus: Corpus | None = None,
     ) -> None:
         self.run = run
         self.cfg = run.cfg
@@ -161,6 +163,20 @@ class Trainer:
         self.skipped_steps = 0
         self.stopped: tuple[int, str, Path | None] | None = None
         self.checkpoints = self._checkpoints()
+        self.evaluator = self._evaluator(eval_corpus)
+
+    def _evaluator(self, corpus: Corpus | None) -> Any:
+        """Held-out loss (primus_v4.training.evaluation); None without evaluation data."""
+        if corpus is None and self.run.eval_data is None:
+            return None
+        from primus_v4.data.pipeline import build_or_load
+        from primus_v4.training.evaluation import Evaluator
+
+        corpus = corpus if corpus is not None else build_or_load(self.run.eval_data)
+        t = self.cfg.train
+        return Evaluator(
+            corpus, layout=self.cfg.data.layout, interval=t.eval_interval, total_steps=t.steps
+        )
 
     def _total_steps(self) -> int:
         """train.steps, or the steps that train.epochs passes over this corpus take (logged)."""
@@ -312,8 +328,13 @@ class Trainer:
             self.start_step = self.checkpoints.load_latest(**self._state()) or 0
         if main and self.start_step > 0:  # rows after the resumed step are redone: drop them
             keep_rows_through(out_dir / "metrics.jsonl", self.start_step)
+        tensorboard = out_dir / "tensorboard" if self.cfg.output.tensorboard else None
         writer = (
-            MetricsWriter(out_dir / "metrics.jsonl", append=self.start_step > 0) if main else None
+            MetricsWriter(
+                out_dir / "metrics.jsonl", append=self.start_step > 0, tensorboard_dir=tensorboard
+            )
+            if main
+            else None
         )
         rows: list[StepMetrics] = []
         try:
@@ -335,6 +356,8 @@ class Trainer:
         with bar, _logging_around(bar), stop_on_signals(self.runtime.device) as stop:
             for step in range(self.start_step, steps):
                 metrics = self.train_step(step)
+                if self.evaluator is not None and self.evaluator.due(step + 1):
+                    metrics = dataclasses.replace(metrics, **self.evaluator.run(self))
                 rows.append(metrics)
                 if writer is not None:
                     writer.write(metrics)

@@ -50,11 +50,12 @@ class _LM(FakeLM):
         self.norm = torch.nn.Parameter(torch.ones(4))  # untouched: gets zero gradients
 
 
-def _trainer(tmp: Path, *settings: str):
+def _trainer(tmp: Path, *settings: str, world: int = 1):
+    from primus_v4.config import resolve_run
     from primus_v4.training.trainer import Trainer
 
     ck = (f"checkpoint.dir={tmp / 'ckpt'}", "checkpoint.interval=2", "output.plot=true")
-    run = tiny_run(tmp, *STEPS, *ck, *settings)
+    run = resolve_run(tiny_run(tmp, *STEPS, *ck, *settings).cfg, world=world)
     return Trainer(run, corpus=FakeCorpus(RAGGED_PACKS[:4]), model=_LM())
 
 
@@ -165,3 +166,13 @@ def test_changed_schedule_is_the_new_one_from_the_resumed_step(full: Path, tmp_p
     assert [r.step for r in result.rows] == [5, 6, 7, 8]
     for row in result.rows:  # the lr a step uses is the schedule at the steps done before it
         assert math.isclose(row.lr, 5e-3 * factor(row.step - 1), rel_tol=1e-15), row.step
+
+
+def test_resume_with_another_world_size_is_an_error(full: Path, tmp_path: Path) -> None:
+    from primus_v4.training.run_checkpoints import check_resumable
+
+    saved = step_dir(full / "ckpt", 2)
+    cfg = _trainer(tmp_path).cfg
+    check_resumable(saved, cfg, world=1)  # same model, one rank: fine
+    with pytest.raises(ConfigError, match=r"changed in world size: 1 -> 4"):
+        check_resumable(saved, cfg, world=4)
