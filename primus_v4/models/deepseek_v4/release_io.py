@@ -130,8 +130,9 @@ class ReleaseReader:
     which is what a rank that reads only its own slice is measured by.
     """
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, *, max_open_shards: int = 2) -> None:
         self.directory = Path(directory)
+        self.max_open_shards = max_open_shards
         if not self.directory.is_dir():
             raise ReleaseFormatError(f"{self.directory}: not a directory")
         self.config: dict = _load_json(self.directory / CONFIG_FILE)
@@ -159,9 +160,16 @@ class ReleaseReader:
         self._handles.clear()
 
     def _handle(self, shard: str):
-        if shard not in self._handles:
-            self._handles[shard] = safe_open(self.directory / shard, framework="pt")
-        return self._handles[shard]
+        """The shard's open (memory-mapped) file. Only the few most recently used stay open:
+        pages of a mapped file count in the resident set while mapped, and loads walk the
+        shards in order, so closing older ones keeps peak memory near the parameters'."""
+        handle = self._handles.pop(shard, None)
+        if handle is None:
+            handle = safe_open(self.directory / shard, framework="pt")
+        self._handles[shard] = handle  # most recent last
+        while len(self._handles) > self.max_open_shards:
+            del self._handles[next(iter(self._handles))]
+        return handle
 
     def _stored(self, name: str) -> StoredTensor:
         if name not in self._meta:

@@ -56,6 +56,14 @@ def _block_view(x: torch.Tensor, br: int, bc: int) -> tuple[torch.Tensor, int, i
     return x.view((n + pn) // br, br, (k + pk) // bc, bc), n, k
 
 
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where to multiply: e4m3 / e2m1 values and power-of-two scales are exact in bf16, fp32 and
+    fp64, and one multiply rounds the exact product once, so computing straight in the target
+    gives the same bits as float32-then-cast at a third of the memory traffic for bf16. Other
+    targets (fp16: too little exponent range for 2^+-127) go through float32."""
+    return dtype if dtype in (torch.bfloat16, torch.float32, torch.float64) else torch.float32
+
+
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP8 e4m3 `[N, K]` with `[ceil(N/128), ceil(K/128)]` block scales -> `dtype` `[N, K]`."""
     n, k = weight.shape
@@ -65,7 +73,7 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
             f"FP8 weight [{n}, {k}] needs a block scale of shape [{nb}, {kb}] (128x128 blocks), "
             f"got {list(scale.shape)}"
         )
-    work = torch.float64 if dtype == torch.float64 else torch.float32
+    work = _work_dtype(dtype)
     s = e8m0_to_float(scale).to(work)
     if n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0:
         w = weight.to(work).view(nb, FP8_BLOCK, kb, FP8_BLOCK)
@@ -92,7 +100,7 @@ def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
             f"FP4 weight [{n}, {half}] packed ({k} input columns) needs a scale of shape "
             f"[{n}, {k // FP4_BLOCK}] (one per {FP4_BLOCK} columns), got {list(scale.shape)}"
         )
-    work = torch.float64 if dtype == torch.float64 else torch.float32
+    work = _work_dtype(dtype)
     # embedding() takes int32 indices: a gather through the 256-entry pair table without an
     # int64 copy of the codes
     codes = weight.contiguous().view(torch.uint8).to(torch.int32)
