@@ -1,6 +1,6 @@
 """The release's config.json <-> DeepseekV4Config.
 
-Keys that set the math map one-to-one (table `_FIELDS`) or through a rule (compress_ratios,
+Keys that set the math map one-to-one (table `FIELDS`) or through a rule (compress_ratios,
 rope_scaling, n_shared_experts, the fixed choices in `_REQUIRED`). Keys that do not change the
 math (`IGNORED_KEYS`: provenance, serving and storage details) are ignored. Any other key is an
 error: silently dropping a key that changes the math would load a different model.
@@ -14,7 +14,7 @@ from primus_v4.errors import ConfigError
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 
 # release key -> our field (values copied as they are)
-_FIELDS = {
+FIELDS = {
     "vocab_size": "vocab_size",
     "hidden_size": "hidden_size",
     "num_hidden_layers": "num_layers",
@@ -129,7 +129,7 @@ def config_from_release(d: dict, *, source: str = "config.json", **overrides) ->
 
     `overrides` are our own training fields (e.g. recompute) applied on top."""
     unknown = sorted(
-        set(d) - set(_FIELDS) - set(_REQUIRED) - IGNORED_KEYS - {"compress_ratios", "rope_scaling"}
+        set(d) - set(FIELDS) - set(_REQUIRED) - IGNORED_KEYS - {"compress_ratios", "rope_scaling"}
     )
     if unknown:
         raise ConfigError(
@@ -139,7 +139,7 @@ def config_from_release(d: dict, *, source: str = "config.json", **overrides) ->
     for key, value in _REQUIRED.items():
         if key in d and d[key] != value:
             raise ConfigError(f"{source}: {key} = {d[key]!r}; this model implements {value!r}")
-    values = {ours: d.get(rel, RELEASE_DEFAULTS.get(rel)) for rel, ours in _FIELDS.items()}
+    values = {ours: d.get(rel, RELEASE_DEFAULTS.get(rel)) for rel, ours in FIELDS.items()}
     values = {k: v for k, v in values.items() if v is not None}
     for k in ("compress_rope_theta", "rotary_base", "layernorm_epsilon", "hc_eps"):
         if k in values:
@@ -162,7 +162,7 @@ def config_to_release(cfg: DeepseekV4Config) -> dict[str, Any]:
     """The release's config.json keys for `cfg` (bf16 storage; an FP8 writer adds
     `quantization_config` and `expert_dtype`)."""
     out: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], **_REQUIRED}
-    for rel, ours in _FIELDS.items():
+    for rel, ours in FIELDS.items():
         out[rel] = getattr(cfg, ours)
     out["num_nextn_predict_layers"] = cfg.mtp_num_layers or 0
     out["compress_ratios"] = [*cfg.compress_ratios] + [cfg.mtp_compress_ratio] * (
