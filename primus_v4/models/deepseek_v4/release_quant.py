@@ -26,8 +26,6 @@ E8M0_BIAS = 127
 # e2m1 codes 0..15: sign bit 3, exponent bits 2..1, mantissa bit 0 (bias 1; code 1 is subnormal)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_VALUES += tuple(-v for v in FP4_VALUES)
-# rounding boundaries between neighbouring e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
-_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -101,12 +99,16 @@ def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
             f"[{n}, {k // FP4_BLOCK}] (one per {FP4_BLOCK} columns), got {list(scale.shape)}"
         )
     work = _work_dtype(dtype)
-    # embedding() takes int32 indices: a gather through the 256-entry pair table without an
-    # int64 copy of the codes
-    codes = weight.contiguous().view(torch.uint8).to(torch.int32)
-    w = F.embedding(codes, _fp4_pair_table(work)).view(n, k // FP4_BLOCK, FP4_BLOCK)
-    w.mul_(e8m0_to_float(scale).to(work)[:, :, None])
-    return w.view(n, k).to(dtype)
+    # One gather does decode and scale: the tensor has few distinct scales, so a table of
+    # [distinct scale, byte] -> (low value, high value), each product rounded once as a multiply
+    # would, is small; the index is the byte plus 256 x the scale's slot (int32: embedding()
+    # takes it without an int64 copy).
+    blocks = scale.contiguous().view(torch.uint8)
+    distinct, slot = torch.unique(blocks, return_inverse=True)
+    table = _fp4_pair_table(work)[None] * e8m0_to_float(distinct).to(work)[:, None, None]
+    codes = weight.contiguous().view(torch.uint8).view(n, k // FP4_BLOCK, FP4_BLOCK // 2)
+    index = torch.add(codes, (slot.to(torch.int32) * 256)[:, :, None])
+    return F.embedding(index, table.view(-1, 2)).view(n, k).to(dtype)
 
 
 def _pow2_exponent(amax: torch.Tensor, limit: float) -> torch.Tensor:
@@ -127,14 +129,22 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, float_to_e8m0(exponent)
 
 
+def _fp4_boundaries() -> torch.Tensor:
+    """Rounding boundaries between neighbouring e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6.
+
+    bucketize sends a value equal to a boundary down; ties must go to the even code, which is
+    up at 0.75, 1.75 and 3.5 (odd codes below them), so those boundaries move to the float just
+    below: a value equal to the midpoint is then above it, anything smaller is not.
+    """
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    up = torch.tensor([False, True, False, True, False, True, False])
+    return torch.where(up, torch.nextafter(mids, torch.zeros(())), mids)
+
+
 def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
-    """float32 values already in [-6, 6] -> e2m1 codes (round to nearest, ties to even code)."""
-    mids = torch.tensor(_FP4_MIDPOINTS, dtype=x.dtype)
-    mag = x.abs()
-    low = torch.bucketize(mag, mids, out_int32=True)  # a tie goes to the smaller magnitude
-    high = torch.bucketize(mag, mids, out_int32=True, right=True)  # a tie goes up
-    code = torch.where(low % 2 == 0, low, high)
-    return (code | ((x < 0).to(torch.int32) << 3)).to(torch.uint8)
+    """float32 values already in [-6, 6] -> e2m1 codes (int32), nearest, ties to even code."""
+    code = torch.bucketize(x.abs(), _fp4_boundaries(), out_int32=True)
+    return code.bitwise_or_(torch.signbit(x).to(torch.int32) << 3)
 
 
 def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,8 +158,8 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = w.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny)
     exponent = _pow2_exponent(amax, FP4_MAX)
     s = torch.ldexp(torch.ones_like(amax), exponent)
-    codes = _fp4_codes((w / s[:, :, None]).clamp_(-FP4_MAX, FP4_MAX)).view(n, k)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    codes = _fp4_codes((w / s[:, :, None]).clamp_(-FP4_MAX, FP4_MAX)).view(n, k // 2, 2)
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
     return packed.view(torch.int8), float_to_e8m0(exponent)
 
 
