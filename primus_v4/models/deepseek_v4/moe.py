@@ -121,8 +121,12 @@ class Router(nn.Module):
     `tid2eid` [vocab, K] int64 on hash layers (the release's `gate.tid2eid`). `init_weights`
     draws them for a random-init run; a loaded checkpoint's values are kept as they are.
     `load` [E] float32 (not persistent) counts the routed rows per expert since the last
-    `reset_load()`, the statistic of the bias-update rule.
+    `reset_load()` while `track_load` is on (training/router_bias.py turns it on), the statistic
+    of the bias-update rule. Both float buffers stay float32 when the model is cast (`_apply`):
+    a bf16 bias could not hold updates of 1e-3.
     """
+
+    track_load = False
 
     def __init__(self, cfg: DeepseekV4Config, *, layer_idx: int, hashed: bool) -> None:
         super().__init__()
@@ -171,6 +175,14 @@ class Router(nn.Module):
 
     init_buffers = reset_load  # `load` is the only derived buffer (zeroed after `to_empty`)
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in ("bias", "load"):
+            buf = self._buffers.get(name)
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                self._buffers[name] = buf.float()
+        return self
+
     def forward(
         self, x_TD: torch.Tensor, routing: RoutingInputs
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,7 +206,7 @@ class Router(nn.Module):
     def _count(self, expert_RK: torch.Tensor) -> None:
         """Add this forward's rows per expert to `load` (training only). A recompute inside
         backward (activation checkpointing) is skipped, so each routed row counts once."""
-        if not self.training or torch._C._current_graph_task_id() != -1:
+        if not (self.track_load and self.training) or torch._C._current_graph_task_id() != -1:
             return
         ones = torch.ones(expert_RK.numel(), dtype=self.load.dtype, device=expert_RK.device)
         self.load.index_add_(0, expert_RK.reshape(-1).to(self.load.device), ones)

@@ -96,19 +96,14 @@ def _target_dtype(storage: str, dtype: torch.dtype) -> torch.dtype | None:
 
 
 def _restore_float32(model: torch.nn.Module) -> None:
-    """Tensors the model keeps in float32 whatever its dtype (mHC, RoPE frequencies, routing
-    bias and load)."""
+    """Tensors the model keeps in float32 whatever its dtype (mHC, RoPE frequencies; the router
+    keeps its bias float32 by itself)."""
     from primus_v4.models.deepseek_v4.hyper_connection import HyperHead, HyperMixer
-    from primus_v4.models.deepseek_v4.moe import Router
     from primus_v4.models.deepseek_v4.rope import RotaryEmbedding
 
     for m in model.modules():
         if isinstance(m, (HyperMixer, HyperHead, RotaryEmbedding)):
             m.float()
-        if isinstance(m, Router):
-            for name in ("bias", "load"):
-                if hasattr(m, name):
-                    setattr(m, name, getattr(m, name).float())
 
 
 def save_release(
