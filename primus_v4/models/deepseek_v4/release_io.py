@@ -274,7 +274,13 @@ def _encode(
             raise ReleaseFormatError(
                 f"'{name}' {list(tensor.shape)}: only 2-D '.weight' tensors can be stored {storage}"
             )
-        q, scale = quantize_fp8(tensor) if storage == "fp8" else quantize_fp4(tensor)
+        try:
+            q, scale = quantize_fp8(tensor) if storage == "fp8" else quantize_fp4(tensor)
+        except ValueError as err:
+            raise ReleaseFormatError(
+                f"'{name}': {err}; this geometry cannot be stored in the release's {storage} "
+                "layout, export it with dtype 'bfloat16'"
+            ) from None
         return [(name, q), (name.removesuffix(".weight") + ".scale", scale)]
     target = torch.bfloat16 if storage in ("fp8", "fp4") else _PLAIN_DTYPES.get(storage)
     if target is None:
