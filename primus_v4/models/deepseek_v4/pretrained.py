@@ -32,22 +32,31 @@ def read_config(path: str | os.PathLike, **overrides) -> DeepseekV4Config:
     return release.config_from_release(json.loads(file.read_text()), source=str(file), **overrides)
 
 
-def _check_consumed(reader: ReleaseReader, wanted: list[str], shapes: dict[str, tuple]) -> None:
-    """Every checkpoint tensor is used (or ignored on purpose) and every wanted one exists."""
+def check_consumed(reader: ReleaseReader, cfg: DeepseekV4Config) -> None:
+    """Every checkpoint tensor is one of the config's release tensors (or on `release.IGNORED`)
+    and every release tensor of the config exists; otherwise raise naming each tensor with both
+    shapes. Names and shapes only: nothing is read."""
+    wanted = release.release_tensors(cfg)
     have = set(reader.names())
     missing = [n for n in wanted if n not in have]
     unused = sorted(n for n in have - set(wanted) if not release.ignored(n))
-    if missing or unused:
+    wrong = [n for n in wanted if n in have and tuple(reader.shape(n)) != wanted[n].shape]
+    if missing or unused or wrong:
         lines = [
-            f"  missing from the checkpoint: {n} (model wants {shapes.get(n)})" for n in missing
+            f"  missing from the checkpoint: {n} (model wants {wanted[n].shape})" for n in missing
         ]
         lines += [
             f"  not used by the model: {n} {list(reader.shape(n))} (no parameter of this config)"
             for n in unused
         ]
+        lines += [
+            f"  shape mismatch: {n} is {list(reader.shape(n))} in the checkpoint, the model "
+            f"wants {list(wanted[n].shape)}"
+            for n in wrong
+        ]
         raise ValueError(
-            f"{reader.directory}: the checkpoint does not match its config "
-            f"({len(missing)} missing, {len(unused)} unused):\n" + "\n".join(lines[:40])
+            f"{reader.directory}: the checkpoint does not match its config ({len(missing)} "
+            f"missing, {len(unused)} unused, {len(wrong)} mismatched):\n" + "\n".join(lines[:40])
         )
 
 
@@ -67,26 +76,22 @@ def load_release(
     cfg = read_config(path)
     with torch.device("meta"):
         model = DeepseekV4Model(cfg, **model_kwargs)
-    model.to_empty(device=device)
-    model.to(dtype)
+    model.to(dtype)  # still on meta: nothing is allocated twice
     _restore_float32(model)
+    model.to_empty(device=device)
     init_buffers(model)
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    state_keys = list(model.state_dict().keys())
-    shapes = {n: tuple(own[n].shape) for n in state_keys}
-    wanted = release.needed(cfg, state_keys)
-    rel_shapes = {r.name: r.shape for r in release.release_tensors(cfg).values()}
+    targets = {n: own[n] for n in model.state_dict()}
     with ReleaseReader(path) as reader:
-        _check_consumed(reader, wanted, rel_shapes)
-        bar = tqdm(total=len(wanted), desc="loading", unit="tensor", disable=not progress)
+        check_consumed(reader, cfg)
+        total = len(release.needed(cfg, targets))
+        bar = tqdm(total=total, desc="loading", unit="tensor", disable=not progress)
 
         def get(name: str) -> torch.Tensor:
             return reader.read(name, dtype=_target_dtype(reader.storage(name), dtype))
 
-        built = release.build_state(cfg, shapes, get, progress=bar.update)
+        release.fill_state(cfg, targets, get, progress=bar.update)
         bar.close()
-    for name, tensor in built.items():
-        own[name].copy_(tensor)
     return model
 
 

@@ -14,6 +14,9 @@ Expert tensors are stacked [E, in, out] for the grouped GEMM; an expert-parallel
 [lo, hi) and asks for `expert_range=(lo, hi)`. Pipeline stages ask for the names they keep: our
 names carry the global layer index (`layers.7.`), so any subset of the state dict resolves.
 
+`build_state` returns new tensors; `fill_state` copies into existing ones in place (one release
+tensor in memory at a time).
+
 `release_tensors(cfg)` lists the release's LOGICAL tensors (a quantized linear is its `.weight`,
 dequantized shape) with the storage kind; `stored_tensors(cfg)` what an FP8 release stores:
   fp8   float8_e4m3fn weight [out, in] + `<stem>.scale` e8m0 [ceil(out/128), ceil(in/128)]
@@ -44,6 +47,7 @@ __all__ = [
     "build_state",
     "config_from_release",
     "config_to_release",
+    "fill_state",
     "ignored",
     "name_table",
     "needed",
@@ -322,6 +326,39 @@ def _expected_shape(entry: TableEntry, expert_range: tuple[int, int] | None) -> 
     return entry.shape
 
 
+def _checked_entries(
+    cfg: DeepseekV4Config,
+    our_shapes: Mapping[str, torch.Size | tuple[int, ...]],
+    expert_range: tuple[int, int] | None,
+) -> list[TableEntry]:
+    entries = _entries(cfg, list(our_shapes))
+    for entry in entries:
+        want = tuple(our_shapes[entry.ours])
+        if want != _expected_shape(entry, expert_range):
+            raise ValueError(
+                f"{entry.ours}: our tensor is {want} but the release layout of this config "
+                f"gives {_expected_shape(entry, expert_range)} (expert_range={expert_range})"
+            )
+    return entries
+
+
+def _fetch(
+    entry: TableEntry,
+    expert_range: tuple[int, int] | None,
+    get: Callable[[str], torch.Tensor],
+) -> Iterator[torch.Tensor]:
+    """The entry's release tensors one at a time, each shape-checked against the table."""
+    by_name = {r.name: r for r in entry.release}
+    for n in entry.release_names(expert_range):
+        t = get(n)
+        if tuple(t.shape) != by_name[n].shape:
+            raise ValueError(
+                f"release tensor {n} has shape {tuple(t.shape)}, expected {by_name[n].shape} "
+                f"for our {entry.ours} {entry.shape}"
+            )
+        yield t
+
+
 def build_state(
     cfg: DeepseekV4Config,
     our_shapes: Mapping[str, torch.Size | tuple[int, ...]],
@@ -333,30 +370,52 @@ def build_state(
     """Our tensors (keys of `our_shapes`) from release tensors fetched by `get(logical_name)`.
 
     Checks every fetched release tensor's shape and every built tensor against `our_shapes`;
-    a mismatch raises naming the tensor and both shapes. `progress(n)` is called per tensor."""
+    a mismatch raises naming the tensor and both shapes. `progress(n)` is called per tensor.
+    Holds every built tensor at once: to fill existing tensors in place use `fill_state`."""
     out: dict[str, torch.Tensor] = {}
-    for entry in _entries(cfg, list(our_shapes)):
-        want = tuple(our_shapes[entry.ours])
-        if want != _expected_shape(entry, expert_range):
-            raise ValueError(
-                f"{entry.ours}: our tensor is {want} but the release layout of this config "
-                f"gives {_expected_shape(entry, expert_range)} (expert_range={expert_range})"
-            )
-        names = entry.release_names(expert_range)
-        by_name = {r.name: r for r in entry.release}
-        parts = []
-        for n in names:
-            t = get(n)
-            if tuple(t.shape) != by_name[n].shape:
-                raise ValueError(
-                    f"release tensor {n} has shape {tuple(t.shape)}, expected {by_name[n].shape} "
-                    f"for our {entry.ours} {want}"
-                )
-            parts.append(t)
-        out[entry.ours] = _join(entry, parts, want[0] if entry.op in ("gate_up", "down") else 0)
+    for entry in _checked_entries(cfg, our_shapes, expert_range):
+        parts = list(_fetch(entry, expert_range, get))
+        out[entry.ours] = _join(entry, parts, int(our_shapes[entry.ours][0]))
         if progress is not None:
-            progress(len(names))
+            progress(len(parts))
     return out
+
+
+@torch.no_grad()
+def fill_state(
+    cfg: DeepseekV4Config,
+    targets: Mapping[str, torch.Tensor],
+    get: Callable[[str], torch.Tensor],
+    *,
+    expert_range: tuple[int, int] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Like `build_state`, but copies into `targets[our_name]` (parameters / buffers) in place,
+    one release tensor at a time (experts row by row): the peak is one release tensor."""
+    shapes = {k: tuple(v.shape) for k, v in targets.items()}
+    for entry in _checked_entries(cfg, shapes, expert_range):
+        dst = targets[entry.ours]
+        parts = _fetch(entry, expert_range, get)
+        if entry.op == "copy":
+            dst.copy_(next(parts))
+        elif entry.op == "wo_a":
+            dst.copy_(next(parts).reshape(entry.shape))
+        elif entry.op == "cat0":
+            w1, w3 = dst.chunk(2, dim=0)
+            w1.copy_(next(parts))
+            w3.copy_(next(parts))
+        elif entry.op == "gate_up":
+            f = dst.shape[2] // 2
+            for row in dst:
+                row[:, :f].copy_(next(parts).t())
+                row[:, f:].copy_(next(parts).t())
+        elif entry.op == "down":
+            for row in dst:
+                row.copy_(next(parts).t())
+        else:
+            raise ValueError(f"unknown table op {entry.op!r}")
+        if progress is not None:
+            progress(len(entry.release_names(expert_range)))
 
 
 def to_release(

@@ -195,6 +195,9 @@ def test_stage_and_expert_shard_subset_reads_only_its_tensors() -> None:
     for k in keep:
         want = full[k][lo:hi] if k.endswith(("w_gate_up", "w_down")) else full[k]
         assert torch.equal(part[k], want), k
+    filled = {k: torch.full(shapes[k], -7.0, dtype=part[k].dtype) for k in keep}
+    rel.fill_state(cfg, filled, tensors.__getitem__, expert_range=(lo, hi))  # in place
+    assert all(torch.equal(filled[k], part[k]) for k in keep)
     back = dict(rel.to_release(cfg, part, expert_range=(lo, hi)))
     assert sorted(back) == sorted(asked) and all(torch.equal(back[n], tensors[n]) for n in back)
 
