@@ -110,12 +110,12 @@ def _ratio_fields(d: dict, layers: int, mtp: int) -> dict[str, Any]:
     ratios = d.get("compress_ratios")
     if ratios is None:
         raise ConfigError("config.json has no compress_ratios (one per layer plus the MTP slots)")
-    if len(ratios) not in (layers, layers + mtp):
+    if len(ratios) < layers or (mtp and len(ratios) not in (layers, layers + mtp)):
         raise ConfigError(
             f"config.json compress_ratios has {len(ratios)} entries; expected num_hidden_layers "
             f"{layers} (+ {mtp} MTP slots)"
         )
-    extra = set(ratios[layers:])
+    extra = set(ratios[layers:]) if mtp else set()  # slots of MTP depths not built: unused
     if len(extra) > 1:
         raise ConfigError(f"config.json MTP slots of compress_ratios differ: {ratios[layers:]}")
     return {

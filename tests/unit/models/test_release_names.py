@@ -218,6 +218,10 @@ def test_config_json_keys_are_strict() -> None:
         rel.config_from_release({**config, "rope_scaling": {**config["rope_scaling"], "mscale": 1}})
     with pytest.raises(ConfigError, match="scoring_func"):
         rel.config_from_release({**config, "scoring_func": "softmax"})
+    no_mtp = rel.config_from_release({**config, "num_nextn_predict_layers": 0})
+    assert no_mtp.mtp_num_layers == 0 and no_mtp.compress_ratios == config["compress_ratios"][:-1]
+    with pytest.raises(ConfigError, match="compress_ratios has 3 entries"):
+        rel.config_from_release({**config, "compress_ratios": config["compress_ratios"][:3]})
     cfg = rel.config_from_release({**config, "transformers_version": "9.9", "use_cache": False})
     back = rel.config_to_release(cfg)
     assert back["compress_ratios"] == config["compress_ratios"]
