@@ -18,7 +18,7 @@ from harness import train_metrics
 
 from primus_v4.training.checkpoint import LATEST, step_dir
 
-# Scores of the freshly initialized tiny router differ by ~1e-2: a 0.05 step reorders experts.
+# A 0.05 step changes the tiny model's routing: steps 2-3 aux loss moves ~0.5% vs no update.
 BIAS_UPDATE = "model.router_bias_update_rate=0.05"
 
 
