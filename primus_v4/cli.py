@@ -1,5 +1,5 @@
-"""`primus-v4 pack | train | inspect`: parse, call, print. Subcommands import lazily so that
-`pack` on a cache hit never imports torch."""
+"""`primus-v4 pack | train | inspect | export`: parse, call, print. Subcommands import lazily
+so that `pack` on a cache hit never imports torch."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ _COMMANDS = {
         "inspect",
         "show the config reference, presets, a model's size, pack caches or checkpoints",
     ),
+    "export": ("export", "write a training checkpoint as a released DeepSeek-V4 checkpoint"),
 }
 
 

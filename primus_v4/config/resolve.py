@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from primus_v4.config.schema import RunConfig
@@ -85,15 +86,38 @@ def model_config(cfg: RunConfig) -> DeepseekV4Config:
 
         overrides.setdefault("bf16", True)
         overrides.setdefault("params_dtype", torch.bfloat16)
+    if cfg.model.pretrained is not None:
+        return pretrained_model_config(cfg.model.pretrained, overrides)
+    preset = cfg.model.preset or "tiny"
     try:
-        return DeepseekV4Config.preset(cfg.model.preset, **overrides)
+        return DeepseekV4Config.preset(preset, **overrides)
     except ConfigError as exc:
         raise ConfigError(f"model.preset / model.overrides: {exc}") from None
     except (TypeError, ValueError, AssertionError) as exc:
         raise ConfigError(
-            f"model.overrides {sorted(cfg.model.overrides)} on preset {cfg.model.preset!r} give "
+            f"model.overrides {sorted(cfg.model.overrides)} on preset {preset!r} give "
             f"an invalid model: {exc}"
         ) from None
+
+
+def pretrained_model_config(directory: str, overrides: dict[str, Any]) -> DeepseekV4Config:
+    """The model config of a released checkpoint (its config.json), overrides applied."""
+    from primus_v4.models.deepseek_v4.pretrained import read_config
+
+    try:
+        return read_config(directory, **overrides)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"model.pretrained: {exc}") from None
+    except (ConfigError, TypeError, ValueError, AssertionError) as exc:
+        raise ConfigError(f"model.pretrained={directory!r} / model.overrides: {exc}") from None
+
+
+def tokenizer_of(cfg: RunConfig) -> str | None:
+    """data.tokenizer, else the pretrained checkpoint's tokenizer.json, else None (DeepSeek's)."""
+    if cfg.data.tokenizer is not None or cfg.model.pretrained is None:
+        return cfg.data.tokenizer
+    own = Path(cfg.model.pretrained) / "tokenizer.json"
+    return str(own.parent) if own.is_file() else None
 
 
 def pack_spec(cfg: RunConfig, *, split: str | None = None) -> PackSpec:
@@ -121,7 +145,7 @@ def pack_spec(cfg: RunConfig, *, split: str | None = None) -> PackSpec:
             seq_length=d.seq_length,
             algorithm=d.algorithm,
             overlong=d.overlong,
-            tokenizer=d.tokenizer,
+            tokenizer=tokenizer_of(cfg),
             strict=d.strict,
             cache_dir=d.cache_dir,
             lock_dir=d.lock_dir,

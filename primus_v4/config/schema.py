@@ -86,11 +86,17 @@ class DataConfig:
 class ModelConfig:
     """Which DeepSeek-V4 to build."""
 
-    preset: str = "tiny"
+    preset: str | None = None
     """A shipped preset (`primus-v4 inspect presets`; primus_v4/configs/models/<preset>.yaml,
-    DeepseekV4Config fields)."""
+    DeepseekV4Config fields); None = `tiny`,
+    or the checkpoint's own config.json when `pretrained` is set (then a preset is an error)."""
+    pretrained: str | None = None
+    """A released checkpoint directory (config.json + safetensors, e.g. DeepSeek-V4-Flash) to
+    start from: the model config comes from its config.json and each rank loads only its own
+    stage's and experts' weights. A resumable checkpoint in checkpoint.dir takes precedence."""
     overrides: dict[str, Any] = field(default_factory=dict)
-    """DeepseekV4Config fields that win over the preset, e.g. {num_layers: 2}."""
+    """DeepseekV4Config fields that win over the preset (or the pretrained config.json), e.g.
+    {num_layers: 2} or training knobs such as recompute."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and activation dtype (float32 on CPU; bfloat16 on GPUs)."""
     fused_linear_ce: bool = True
@@ -98,6 +104,21 @@ class ModelConfig:
     lm_head_rows: Literal["supervised", "all"] = "supervised"
     """LM head + CE on supervised rows only (exact: other rows add zero) or on all rows, as a
     conventional trainer does (same loss and grads, more work; for cost comparisons)."""
+    router_bias_update_rate: float = 0.0
+    """DeepSeek-V3-style update of the routed layers' gate.bias after each optimizer step:
+    b_e += rate * sign(mean_load - load_e) on the step's global expert loads (0 = off, the
+    bias stays the checkpoint's; the Flash recipes set 1e-3)."""
+
+    def __post_init__(self) -> None:
+        _require(self.router_bias_update_rate >= 0, "model.router_bias_update_rate", "must be >= 0")
+        _require(
+            self.pretrained is None or self.preset is None,
+            "model.preset",
+            f"{self.preset!r} conflicts with model.pretrained={self.pretrained!r}: a released "
+            "checkpoint brings its own config.json; drop model.preset (model.overrides still "
+            "apply)",
+        )
+        _require(self.pretrained != "", "model.pretrained", "must not be empty (or leave unset)")
 
 
 @dataclass(kw_only=True)

@@ -12,6 +12,7 @@ Data parallel (DP x CP) needs no wrapper: gradients are summed explicitly after 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +41,13 @@ def parallelize(
     packed: bool,
     device: torch.device,
     seed: int | None = None,
+    weights: Callable[[nn.Module], None] | None = None,
 ) -> Parallelized:
     """Apply pipeline and expert parallelism of `ctx` to a full DeepseekV4Model; a meta-device
-    model is materialized on `device` afterwards under `seed` (see `materialize`)."""
+    model is materialized on `device` afterwards under `seed` (see `materialize`), or filled by
+    `weights(rank_model)` (a pretrained checkpoint: only what the rank keeps is read)."""
     if ctx.pp.size == 1 and ctx.ep.size == 1:
-        if is_meta(model):
-            materialize(model, device=device, seed=seed)
+        _materialize_or_fill(model, device=device, seed=seed, weights=weights)
         return Parallelized(model=model)
     from primus_v4.models.deepseek_v4 import DeepseekV4Model
 
@@ -75,8 +77,7 @@ def parallelize(
         layers = apply_expert_parallel(model, ctx.ep)
         log.info("expert parallel: %d MoE layers hold %d of their experts each", layers,
                  model.cfg.num_moe_experts // ctx.ep.size)  # fmt: skip
-    if is_meta(model):
-        materialize(model, device=device, seed=seed)
+    _materialize_or_fill(model, device=device, seed=seed, weights=weights)
     runner = None
     if spec is not None:
         from primus_v4.parallel.pipeline_schedule import PipelineRunner
@@ -90,8 +91,28 @@ def is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def materialize(model: nn.Module, *, device: torch.device, seed: int | None) -> None:
-    """Allocate `model`'s meta parameters and buffers on `device`, then `init_weights(seed)`.
+def _materialize_or_fill(
+    model: nn.Module,
+    *,
+    device: torch.device,
+    seed: int | None,
+    weights: Callable[[nn.Module], None] | None,
+) -> None:
+    if is_meta(model):
+        materialize(model, device=device, seed=seed, weights=weights)
+    elif weights is not None:
+        weights(model)
+
+
+def materialize(
+    model: nn.Module,
+    *,
+    device: torch.device,
+    seed: int | None,
+    weights: Callable[[nn.Module], None] | None = None,
+) -> None:
+    """Allocate `model`'s meta parameters and buffers on `device`, then `init_weights(seed)`,
+    or `weights(model)` (fills every parameter and persistent buffer) and the derived buffers.
 
     `to_empty` replaces the Parameter objects, so the tags set while cutting (expert_parallel,
     expert_group, ...) are carried over to the new ones by name.
@@ -100,6 +121,12 @@ def materialize(model: nn.Module, *, device: torch.device, seed: int | None) -> 
     model.to_empty(device=device)
     for name, p in model.named_parameters():
         p.__dict__.update(tags[name])
-    model.init_weights(seed)  # type: ignore[operator]
+    if weights is None:
+        model.init_weights(seed)  # type: ignore[operator]
+    else:
+        from primus_v4.models.deepseek_v4.init import init_buffers
+
+        weights(model)
+        init_buffers(model)
     log.info("materialized %d parameters on %s", sum(p.numel() for p in model.parameters()),
              device)  # fmt: skip

@@ -170,7 +170,7 @@ class PipelineStageModel(DeepseekV4Model):
                 ]
             else:
                 streams = self._local_mtp_streams(ids_T, layout, labels_T, mask_T, pad_T)
-            aux = aux + self._mtp(out, h_TD, streams, pos_T, layout, pad_T)
+            aux = aux + self._mtp(out, x_TKD, streams, pos_T, layout, pad_T)
         return (out.loss_sum, *out.mtp_loss_sums, aux)
 
 

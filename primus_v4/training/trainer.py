@@ -45,6 +45,7 @@ from primus_v4.training.metrics import (
 )
 from primus_v4.training.metrics_history import keep_rows_through, read_history
 from primus_v4.training.preemption import stop_on_signals
+from primus_v4.training.router_bias import RouterBiasUpdate
 from primus_v4.training.runtime import Runtime, init_runtime
 
 log = get_logger(__name__)
@@ -156,6 +157,11 @@ class Trainer:
         self.model = self._parallelize(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(run, self.model, self.total_steps)
+        self.router_bias = RouterBiasUpdate(
+            [self.model],
+            rate=self.cfg.model.router_bias_update_rate,
+            group=self.runtime.ctx.dp_cp_group,
+        )
         self.mtp_depths = int(run.model.mtp_num_layers or 0)
         self.cp = self._context_parallel()
         self.mtp_scale = float(run.model.mtp_loss_scaling_factor or 0.0)
@@ -204,9 +210,27 @@ class Trainer:
             packed=self.cfg.packed,
             device=self.runtime.device,
             seed=self.cfg.train.seed,
+            weights=self._pretrained_weights(),
         )
         self.pipeline: Any = done.pipeline
         return done.model
+
+    def _pretrained_weights(self) -> Any:
+        """model.pretrained: a loader of this rank's slice, unless the run resumes its own
+        checkpoint (which then overwrites every weight anyway, so nothing is read)."""
+        directory, ck = self.cfg.model.pretrained, self.cfg.checkpoint
+        if directory is None:
+            return None
+        from primus_v4.training.checkpoint import find_latest
+
+        latest = find_latest(ck.dir) if ck.dir is not None and ck.resume else None
+        if latest is not None:
+            log.info("resuming %s: it takes precedence over model.pretrained=%s", latest, directory)
+            return None
+        from primus_v4.training.pretrained_load import rank_loader
+
+        show = self.runtime.is_main and self.cfg.output.progress_bar
+        return rank_loader(directory, progress=show)
 
     def _context_parallel(self) -> Any:
         """CP > 1: the splitter that gives this rank its contiguous rows of every pack."""
@@ -297,6 +321,7 @@ class Trainer:
         elif self.cfg.train.nan_policy == "skip":
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
+        self.router_bias.step(apply=finite)
         c = step_loss.counts
         return make_step_metrics(
             step=step + 1,
@@ -324,6 +349,8 @@ class Trainer:
         main = self.runtime.is_main
         if main:
             write_resolved(self.cfg, out_dir)
+            if self.cfg.checkpoint.dir is not None:  # `primus-v4 export` reads it from there
+                write_resolved(self.cfg, self.cfg.checkpoint.dir)
         if self.checkpoints is not None:
             self.start_step = self.checkpoints.load_latest(**self._state()) or 0
         if main and self.start_step > 0:  # rows after the resumed step are redone: drop them

@@ -2,6 +2,7 @@
 # Functions shared by the recipes in run_scripts/ (sourced, never run). A recipe sets its knobs
 # with ${VAR:-default} so the caller's environment always wins, then calls, in order:
 #   primus_check_rendezvous -> primus_probe_tokenizer -> primus_add_set ... -> primus_run
+# (primus_run adds PRIMUS_PRETRAINED and PRIMUS_EXTRA_SETS last, so they win over the recipe's.)
 # primus_run validates the whole config with the trainer's --dry-run (same world size as the real
 # run), then either prints the resolved recipe (DRY_RUN=1) or launches torchrun.
 
@@ -95,6 +96,23 @@ primus_add_set_if() {
   fi
 }
 
+# primus_add_pretrained: PRIMUS_PRETRAINED=/path/to/DeepSeek-V4-Flash (a released checkpoint dir:
+# config.json + safetensors shards) starts the run from its weights: model.pretrained is set and
+# model.preset cleared (the checkpoint's config.json is the model; model.overrides still apply).
+# Its tokenizer is used unless V4_TOKENIZER or the probe set data.tokenizer. Empty = random init.
+primus_add_pretrained() {
+  [[ -n "${PRIMUS_PRETRAINED:-}" ]] || return 0
+  [[ -f "${PRIMUS_PRETRAINED}/config.json" ]] ||
+    primus_die "PRIMUS_PRETRAINED=${PRIMUS_PRETRAINED} has no config.json; point it at a released" \
+      "checkpoint directory (config.json + model.safetensors.index.json + shards)," \
+      "e.g. PRIMUS_PRETRAINED=/apps/DeepSeek-V4-Flash"
+  # Absolute, because validation and launch run from the repository root.
+  PRIMUS_PRETRAINED="$(cd "${PRIMUS_PRETRAINED}" && pwd)"
+  primus_log "starting from the released checkpoint ${PRIMUS_PRETRAINED} (model.preset ignored)"
+  primus_add_set model.preset null
+  primus_add_set model.pretrained "${PRIMUS_PRETRAINED}"
+}
+
 # primus_add_extra_sets: PRIMUS_EXTRA_SETS="a.b=1 c.d=x" reaches any config key the recipe does
 # not expose as a knob (values without spaces).
 primus_add_extra_sets() {
@@ -184,6 +202,7 @@ primus_run() {
   [[ -f "${PRIMUS_CONFIG}" ]] || primus_die "PRIMUS_CONFIG=${PRIMUS_CONFIG}: no such file"
   # Absolute, because validation and launch run from the repository root.
   PRIMUS_CONFIG="$(cd "$(dirname "${PRIMUS_CONFIG}")" && pwd)/$(basename "${PRIMUS_CONFIG}")"
+  primus_add_pretrained
   primus_add_extra_sets
   if [[ "${DRY_RUN:-0}" == "1" || "${PRIMUS_PREFLIGHT:-1}" == "1" ]]; then
     primus_validate

@@ -39,7 +39,9 @@ def model_field(config: dict[str, Any], name: str) -> Any:
     overrides = lookup(config, "model.overrides", {}) or {}
     if name in overrides:
         return overrides[name]
-    preset = lookup(config, "model.preset", "tiny")
+    if lookup(config, "model.pretrained"):
+        return None  # the checkpoint's config.json decides; only derived values are known here
+    preset = lookup(config, "model.preset") or "tiny"
     path = PRESET_DIR / f"{preset}.yaml"
     if path.exists():
         return (yaml.safe_load(path.read_text()) or {}).get(name)
@@ -79,6 +81,7 @@ def summarize(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "layout": layout,
         "pack_algorithm": lookup(config, "data.algorithm"),
         "model_preset": lookup(config, "model.preset"),
+        "pretrained": lookup(config, "model.pretrained"),
         "dtype": lookup(config, "model.dtype"),
         "num_layers": model_field(config, "num_layers"),
         "compress_ratios": model_field(config, "compress_ratios"),

@@ -117,3 +117,31 @@ def test_bundled_tokenizer_can_be_refused(tmp_path):
         "run_full_4k_thd_multinode.sh", tmp_path, **MULTINODE, PRIMUS_ALLOW_BUNDLED_TOKENIZER="0"
     )
     assert run.returncode != 0 and "no tokenizer.json in V4_TOKENIZER" in run.stderr
+
+
+def test_pretrained_checkpoint_replaces_the_preset(tmp_path):
+    import json
+
+    from primus_v4.models.deepseek_v4 import DeepseekV4Config
+    from primus_v4.models.deepseek_v4.release import config_to_release
+
+    flash = tmp_path / "DeepSeek-V4-Flash"
+    flash.mkdir()  # config.json is all validation reads; weights are read at the real start
+    release = config_to_release(DeepseekV4Config.preset("deepseek_v4_flash"))
+    (flash / "config.json").write_text(json.dumps(release))
+    run = run_recipe(
+        "run_full_4k_thd_multinode.sh", tmp_path, **MULTINODE, PRIMUS_PRETRAINED=str(flash)
+    )
+    r = run.resolved
+    assert r["pretrained"] == str(flash) and r["model_preset"] is None
+    _assert_flash_model(r)
+    assert f"--set model.pretrained={flash}" in run.command
+    assert "--set model.preset=null" in run.command
+
+
+def test_pretrained_without_config_json_fails_early(tmp_path):
+    run = run_recipe(
+        "run_full_4k_thd_multinode.sh", tmp_path, **MULTINODE, PRIMUS_PRETRAINED=str(tmp_path)
+    )
+    assert run.returncode != 0
+    assert f"PRIMUS_PRETRAINED={tmp_path} has no config.json" in run.stderr

@@ -17,7 +17,8 @@ Candidate keys (all in the query's own sample; the layout, not `positions_T`, de
 - every kind: sliding window, the query row and the W-1 rows before it, clipped at its sample start;
 - HCA (ratio 128): plus every complete ratio-128 window of its sample (non-overlap compressor);
 - CSA (ratio 4): plus the top-k complete ratio-4 windows of its sample chosen by the indexer
-  (overlap compressor; the indexer reads x.detach() and is frozen, see indexer.py).
+  (overlap compressor; the indexer reads x and the q-LoRA latent detached and is frozen, see
+  indexer.py).
 Candidates are key-buffer row ranges and indices handed to the `sparse_attention` kernel, which
 works in row chunks: no [T, T] tensor exists and memory is O(T * (W + K + visible pool)).
 Context parallel: window keys of the previous rank arrive as `comm.left_rows(kv, W - 1)` (post-RoPE
@@ -103,11 +104,14 @@ class Attention(nn.Module):
             raise ValueError(f"{where}: positions must be [T], got {tuple(positions_T.shape)}")
 
     def _qkv(self, x_TD: torch.Tensor, positions_T: torch.Tensor):
+        """Rotated q [T, H, D], rotated kv [T, D] and the q-LoRA latent qr [T, Q] (the indexer's
+        query input)."""
         t = x_TD.shape[0]
-        q_THD = self.wq_b(self.q_norm(self.wq_a(x_TD))).view(t, self.n_heads, self.head_dim)
+        qr_TQ = self.q_norm(self.wq_a(x_TD))
+        q_THD = self.wq_b(qr_TQ).view(t, self.n_heads, self.head_dim)
         q_THD = F.rms_norm(q_THD, (self.head_dim,), eps=self.eps)
         kv_TD = self.kv_norm(self.wkv(x_TD))
-        return self.rope(q_THD, positions_T), self.rope(kv_TD, positions_T)
+        return self.rope(q_THD, positions_T), self.rope(kv_TD, positions_T), qr_TQ
 
     def _window_ranges(self, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Key-buffer range [lo, hi) of each row's window: itself and W-1 rows back, own sample."""
@@ -127,7 +131,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         layout = require_layout(layout, f"Attention(layer {self.layer_idx}, {self.kind})")
         self._check(x_TD, positions_T, layout)
-        q_THD, kv_TD = self._qkv(x_TD, positions_T)
+        q_THD, kv_TD, qr_TQ = self._qkv(x_TD, positions_T)
         parts = [layout.comm.left_rows(kv_TD, self.window - 1), kv_TD]
         lo_T, hi_T = self._window_ranges(layout)
         lo_TR, hi_TR, idx_TK = lo_T[:, None], hi_T[:, None], None
@@ -140,7 +144,7 @@ class Attention(nn.Module):
                 hi_TR = torch.stack((hi_T, plan.hi_T + off), 1)
             else:  # CSA: the indexer's top-k of the visible pool
                 sel_TK = self.indexer(
-                    x_TD, positions_T=positions_T, layout=layout, rope=self.rope, plan=plan
+                    x_TD, qr_TQ, positions_T=positions_T, layout=layout, rope=self.rope, plan=plan
                 )
                 idx_TK = torch.where(sel_TK >= 0, sel_TK + off, -1)
         o_THD = self._attend(

@@ -8,11 +8,12 @@ length L has floor(L / r) windows (the remainder yields no key), so windows neve
 Compact window order is (sample, g); the windows of one sample are contiguous there.
 Visibility. Window g is visible to query row t of the SAME sample iff its last row <= t, i.e.
 g < (u_t + 1) // r with u_t = t's offset in its sample: per query a compact range [lo_t, hi_t).
-Pooling. kv and gate logits come from one projection of the hidden rows; the gate gets a learned
+Pooling. kv and gate logits are two projections of the hidden rows; the gate gets a learned
 per-row-in-window bias `ape` and a softmax over the window rows (per channel) weights the kv rows;
-then a learned RMSNorm, RoPE at position g * r (the window's first row, in its own sample: the same
-number packed or alone, for attention and indexer keys alike) and, for indexer keys, the
-normalized Hadamard rotation. Overlap (ratio 4): projections are 2*D wide; window g pools its own
+then a learned RMSNorm and RoPE at position g * r (the window's first row, in its own sample: the
+same number packed or alone, for attention and indexer keys alike). Overlap (ratio 4): the `wkv` and
+`wgate` projections (the release's `compressor.wkv` / `compressor.wgate`) are 2*D wide; window g
+pools its own
 rows on channels [D:2D] and window g-1's rows on channels [0:D] (2r rows in one softmax); window 0
 of each sample has no predecessor: those rows get kv 0 and gate -inf (they drop out of the softmax),
 so the overlap never stitches across samples.
@@ -34,7 +35,7 @@ from torch import nn
 
 from primus_v4 import kernels
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
-from primus_v4.models.deepseek_v4.rope import RotaryEmbedding, hadamard_matrix
+from primus_v4.models.deepseek_v4.rope import RotaryEmbedding
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,28 +113,20 @@ class Compressor(nn.Module):
         *,
         ratio: int,
         overlap: bool,
-        rotate: bool = False,
         eps: float = 1e-6,
         init_std: float = 0.02,
     ) -> None:
         super().__init__()
-        self.dim, self.ratio, self.overlap, self.rotate = dim, ratio, overlap, rotate
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
         coff = 2 if overlap else 1
-        self.wkv_gate = nn.Linear(hidden_size, 2 * coff * dim, bias=False)
+        self.wkv = nn.Linear(hidden_size, coff * dim, bias=False)
+        self.wgate = nn.Linear(hidden_size, coff * dim, bias=False)
         self.ape = nn.Parameter(torch.zeros(ratio, coff * dim))
         self.norm = nn.RMSNorm(dim, eps=eps)
-        if rotate:
-            self.register_buffer("hadamard", hadamard_matrix(dim), persistent=False)
-        nn.init.normal_(self.wkv_gate.weight, std=init_std)
+        for lin in (self.wkv, self.wgate):
+            nn.init.normal_(lin.weight, std=init_std)
         self.init_weights(init_std)
         self._pool = kernels.resolve("compressor_pool")
-
-    @torch.no_grad()
-    def init_buffers(self) -> None:
-        """Recompute the rotation in place (after `to_empty` from the meta device)."""
-        if self.rotate:
-            with torch.device("cpu"):
-                self.hadamard.copy_(hadamard_matrix(self.dim))
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
@@ -169,13 +162,11 @@ class Compressor(nn.Module):
             plan = build_window_plan(layout, self.ratio, overlap=self.overlap)
         b = boundary_rows(self.ratio, self.overlap)
         x_BD = torch.cat((layout.comm.left_rows(x_TD, b), x_TD), dim=0)
-        kv_BX, gate_BX = self.wkv_gate(x_BD).chunk(2, dim=-1)
+        kv_BX, gate_BX = self.wkv(x_BD), self.wgate(x_BD)
         kv_CMD, gate_CMD = self._window_rows(plan, kv_BX, gate_BX)
         pooled_CD = self.norm(self._pool(kv_CMD, gate_CMD))
         used_C = plan.own_win_C >= 0
         pooled_CD = rope(pooled_CD, plan.own_win_C.clamp(min=0) * self.ratio)
-        if self.rotate:
-            pooled_CD = pooled_CD @ self.hadamard
         # Unused slots: a real (dummy) pooled row times 0 keeps every parameter in the graph.
         pooled_CD = pooled_CD * used_C[:, None].to(pooled_CD.dtype)
         pool_GD = layout.comm.gather_rows(pooled_CD)

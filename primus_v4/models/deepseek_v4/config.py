@@ -43,10 +43,12 @@ class DeepseekV4Config(TransformerConfig):
     """RoPE applies to the last this-many channels of each query head and of the KV latent."""
     rotary_base: float = 10000.0
     """RoPE theta for dense (ratio 0) layers; no YaRN there."""
-    compress_rope_theta: float = 40000.0
-    """RoPE theta for compressed (CSA/HCA) layers, with YaRN scaling below."""
-    rotary_scaling_factor: float = 4.0
-    """YaRN interpolation factor for compressed layers (1.0 disables YaRN)."""
+    compress_rope_theta: float = 160000.0
+    """RoPE theta for compressed (CSA/HCA) layers and their compressors/indexer, with YaRN below
+    (160000 in the Flash and Pro releases)."""
+    rotary_scaling_factor: float = 16.0
+    """YaRN interpolation factor for compressed layers (1.0 disables YaRN; 16 as released). No
+    YaRN mscale: cos/sin keep unit magnitude and the softmax scale stays 1/sqrt(head_dim)."""
     original_max_position_embeddings: int = 65536
     """YaRN: context length the base frequencies were trained for."""
     beta_fast: float = 32.0
@@ -78,7 +80,7 @@ class DeepseekV4Config(TransformerConfig):
     num_hash_layers: int = 3
     """The first this-many decoder layers route experts by a fixed token-id hash table."""
     hash_seed: int = 0
-    """Seed of the token-id -> experts hash table."""
+    """Seed of the random-init token-id -> experts table (a loaded checkpoint's `tid2eid` wins)."""
     swiglu_limit: float = 10.0
     """Clamped SwiGLU: gate clamped above, up clamped to [-limit, limit]."""
     ce_chunk_size: int = 4096
@@ -145,6 +147,14 @@ class DeepseekV4Config(TransformerConfig):
 
     def layer_kind(self, layer: int) -> str:
         return LAYER_KINDS[self.compress_ratios[layer]]
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **overrides) -> DeepseekV4Config:
+        """The config of a released checkpoint: `path` is its directory (or its config.json);
+        keyword overrides set our own training fields (see release_config.py)."""
+        from primus_v4.models.deepseek_v4.pretrained import read_config
+
+        return read_config(path, **overrides)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> DeepseekV4Config:

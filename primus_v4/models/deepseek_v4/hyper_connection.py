@@ -95,9 +95,10 @@ class HyperMixer(nn.Module):
         post_TK: torch.Tensor,
         comb_TKK: torch.Tensor,
     ) -> torch.Tensor:
-        """x'_h = post_h * out + sum_k comb[h, k] * x_k."""
+        """y_j = post_j * out + sum_i comb[i, j] * x_i: the release sums over comb's FIRST index
+        (comb transposed); Sinkhorn's matrix is not symmetric, so the direction matters."""
         dt = x_TKD.dtype
-        mixed = torch.einsum("thk,tkd->thd", comb_TKK.to(dt), x_TKD)
+        mixed = torch.einsum("tij,tid->tjd", comb_TKK.to(dt), x_TKD)
         return mixed + post_TK.to(dt).unsqueeze(-1) * out_TD.unsqueeze(1)
 
 

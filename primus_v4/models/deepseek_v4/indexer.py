@@ -1,21 +1,22 @@
 """Lightning indexer (CSA layers): picks, for every query, the top-k compressed keys to attend to.
 
-Legend: T = rows on this rank, Dh = hidden, H = indexer heads, D = indexer head dim, P = compact
-compressed windows of the pack, K = top-k.
+Legend: T = rows on this rank, Dh = hidden, Q = q_lora rank, H = indexer heads, D = indexer head
+dim, P = compact compressed windows of the pack, K = top-k.
 
-- Queries: own low-rank projection hidden -> D -> H x D (not shared with the attention's q-LoRA),
-  RoPE at the row's in-sample position, then the normalized Hadamard rotation.
+- Queries: `wq_b` (Q -> H x D) applied to the attention's q-LoRA latent `qr = q_norm(wq_a(x))`
+  (the release has no indexer `wq_a`), RoPE (the layer's compressed-theta YaRN rotary) at the
+  row's in-sample position.
 - Keys: the indexer's own overlap compressor (ratio 4, width D) with RoPE at the window's first
-  position g * r and the same Hadamard rotation (compressor.py).
+  position g * r (compressor.py).
 - Scores: scale * sum_h w[t, h] * relu(q[t, h] . k[j]) with per-head weights w = hidden -> H and
   scale = H^-1/2 * D^-1/2, only over the query's own-sample complete windows; exact chunked
   running top-k (kernels/indexer_topk.py); -1 where a query has fewer than K visible keys.
+  DeepSeek's inference code also applies a Hadamard rotation to q and k before simulating FP4
+  quantization; the rotation is orthonormal, so without quantization the scores are unchanged
+  and it is left out (as in HF transformers).
 - Training: top-k is discrete and there is no distillation loss, so nothing could train the
-  indexer; it reads `x.detach()`, runs without autograd, and its parameters are frozen
+  indexer; it reads detached inputs, runs without autograd, and its parameters are frozen
   (requires_grad False) so optimizers and DDP skip them.
-- Checkpoint note: DeepSeek-V3.2's public indexer projects its query from the attention's q-LoRA
-  latent and uses non-interleaved RoPE; if V4 checkpoints do the same, the weight adapter (and this
-  projection) must follow. Packing isolation does not depend on that choice.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from primus_v4 import kernels
 from primus_v4.models.deepseek_v4.compressor import Compressor, WindowPlan, build_window_plan
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
-from primus_v4.models.deepseek_v4.rope import RotaryEmbedding, hadamard_matrix
+from primus_v4.models.deepseek_v4.rope import RotaryEmbedding
 
 
 class Indexer(nn.Module):
-    """hidden [T, Dh] -> selected compact window ids [T, K] (int64, -1 = none)."""
+    """hidden [T, Dh] + q-LoRA latent [T, Q] -> selected compact window ids [T, K] (int64, -1 =
+    none)."""
 
     def __init__(self, cfg: DeepseekV4Config, *, ratio: int) -> None:
         super().__init__()
@@ -43,34 +45,26 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim, self.ratio = h, d, ratio
         self.topk, self.chunk = cfg.index_topk, cfg.index_topk_chunk
         self.scale = 1.0 / math.sqrt(h * d)
-        self.wq_a = nn.Linear(cfg.hidden_size, d, bias=False)
-        self.wq_b = nn.Linear(d, h * d, bias=False)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, h, bias=False)
         self.compressor = Compressor(
             cfg.hidden_size,
             d,
             ratio=ratio,
             overlap=True,
-            rotate=True,
             eps=cfg.layernorm_epsilon,
             init_std=cfg.init_method_std,
         )
-        self.register_buffer("hadamard", hadamard_matrix(d), persistent=False)
-        for lin in (self.wq_a, self.wq_b, self.weights_proj):
+        for lin in (self.wq_b, self.weights_proj):
             nn.init.normal_(lin.weight, std=cfg.init_method_std)
         self.requires_grad_(False)
         self._topk = kernels.resolve("indexer_topk")
 
     @torch.no_grad()
-    def init_buffers(self) -> None:
-        """Recompute the rotation in place (after `to_empty` from the meta device)."""
-        with torch.device("cpu"):
-            self.hadamard.copy_(hadamard_matrix(self.head_dim))
-
-    @torch.no_grad()
     def forward(
         self,
         x_TD: torch.Tensor,
+        qr_TQ: torch.Tensor,
         *,
         positions_T: torch.Tensor,
         layout: RowLayout,
@@ -82,8 +76,8 @@ class Indexer(nn.Module):
             plan = build_window_plan(layout, self.ratio, overlap=True)
         x_TD = x_TD.detach()
         t = x_TD.shape[0]
-        q_THD = self.wq_b(self.wq_a(x_TD)).view(t, self.n_heads, self.head_dim)
-        q_THD = rope(q_THD, positions_T) @ self.hadamard
+        q_THD = self.wq_b(qr_TQ.detach()).view(t, self.n_heads, self.head_dim)
+        q_THD = rope(q_THD, positions_T)
         k_PD = self.compressor(x_TD, layout=layout, rope=rope, plan=plan)
         return self._topk(
             q_THD,

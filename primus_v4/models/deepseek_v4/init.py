@@ -6,8 +6,11 @@ does not depend on which other modules exist, in which order they were built, or
 device they live: a pipeline stage or an expert shard [e0:e1] materialized alone on its rank
 equals the same parameters (rows) of the whole model built in one process.
 
-Non-parameter buffers (RoPE frequencies, Hadamard rotations, hash-routing tables) are derived
-from the config alone; `init_buffers` recomputes them after `to_empty`.
+Persistent router buffers (the routed layers' `bias`, the hash layers' `tid2eid`) are model
+state like parameters: `init_parameters` gives them their random-init values (bias 0, the table
+drawn from (hash_seed + layer)), and a loaded checkpoint overwrites them. Derived buffers (RoPE
+frequencies) come from the config alone; `init_buffers` recomputes only those after `to_empty`,
+so it never touches loaded state.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch import nn
 from primus_v4.models.deepseek_v4.attention import Attention
 from primus_v4.models.deepseek_v4.compressor import Compressor
 from primus_v4.models.deepseek_v4.hyper_connection import HyperHead, HyperMixer
-from primus_v4.models.deepseek_v4.moe import MoE
+from primus_v4.models.deepseek_v4.moe import MoE, Router
 from primus_v4.models.deepseek_v4.norm import RMSNorm
 
 # Parameters that start at a constant; every other parameter is drawn from N(0, std).
@@ -63,8 +66,11 @@ def _constant(module: nn.Module, attr: str) -> float | None:
 
 @torch.no_grad()
 def init_parameters(model: nn.Module, *, seed: int, std: float) -> None:
-    """Initialize every parameter of `model` (a whole model, a stage or a sharded one)."""
+    """Initialize every parameter and persistent router buffer of `model` (a whole model, a
+    stage or a sharded one)."""
     for prefix, module in model.named_modules():
+        if isinstance(module, Router):
+            module.init_routing_buffers()
         for attr, p in module.named_parameters(recurse=False):
             name = f"{prefix}.{attr}" if prefix else attr
             value = _constant(module, attr)
@@ -81,7 +87,7 @@ def init_parameters(model: nn.Module, *, seed: int, std: float) -> None:
 
 @torch.no_grad()
 def init_buffers(model: nn.Module) -> None:
-    """Recompute every config-derived buffer (needed after `to_empty`)."""
+    """Recompute every config-derived (non-persistent) buffer, e.g. after `to_empty`."""
     for module in model.modules():
         if module is not model and callable(getattr(module, "init_buffers", None)):
             module.init_buffers()

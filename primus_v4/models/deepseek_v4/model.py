@@ -108,6 +108,29 @@ class DeepseekV4Model(nn.Module):
         if not self.embedding.weight.is_meta:
             self.init_weights(seed)
 
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        progress: bool = True,
+        **model_kwargs,
+    ) -> DeepseekV4Model:
+        """The model of a released checkpoint directory (config.json + safetensors shards),
+        every parameter and persistent buffer loaded, FP8/FP4 dequantized into `dtype`."""
+        from primus_v4.models.deepseek_v4.pretrained import load_release
+
+        return load_release(path, dtype=dtype, device=device, progress=progress, **model_kwargs)
+
+    def save_pretrained(self, out: str, *, dtype: str = "bfloat16", **kwargs):
+        """Write this (whole) model in the release layout: `dtype` "bfloat16" or "fp8" (the
+        release's FP8 linears + FP4 experts); returns release_io's WriteSummary."""
+        from primus_v4.models.deepseek_v4.pretrained import save_release
+
+        return save_release(self, out, dtype=dtype, **kwargs)
+
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """The one place weights are initialized (also of a stage or an expert shard): each
@@ -163,7 +186,7 @@ class DeepseekV4Model(nn.Module):
         self._head(out, self.final_norm(h_TD), labels_T, mask_T, mtp=False)
         if self.mtp:
             streams = mtp_inputs or self._local_mtp_streams(ids_T, layout, labels_T, mask_T, pad_T)
-            aux = aux + self._mtp(out, h_TD, streams, pos_T, layout, pad_T)
+            aux = aux + self._mtp(out, x_TKD, streams, pos_T, layout, pad_T)
         if labels_T is not None and out.mtp_loss is None:
             out.mtp_loss = aux.new_zeros(())  # no MTP depth: a zero the trainer can always add
         out.aux_loss = aux
@@ -172,17 +195,18 @@ class DeepseekV4Model(nn.Module):
     def _mtp(
         self,
         out: ModelOutput,
-        h_TD: torch.Tensor,
+        x_TKD: torch.Tensor,
         streams: list[MtpStreams],
         pos_T: torch.Tensor,
         layout: RowLayout,
         pad_T: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Run every MTP depth on the main hidden with the SAME layout; returns their aux loss."""
-        aux = h_TD.new_zeros((), dtype=torch.float32)
+        """Run every MTP depth on the last layer's streams (before the HyperHead collapse) with
+        the SAME layout; returns their aux loss."""
+        aux = x_TKD.new_zeros((), dtype=torch.float32)
         for depth, s in zip(self.mtp, streams, strict=True):
-            h_TD, normed_TD, layer_aux = depth(
-                h_TD,
+            x_TKD, normed_TD, layer_aux = depth(
+                x_TKD,
                 self.embedding(s.input_ids),
                 positions_T=pos_T,
                 layout=layout,

@@ -104,14 +104,29 @@ class LocalDispatcher:
 
 
 def hash_table(vocab: int, num_experts: int, topk: int, seed: int) -> torch.Tensor:
-    """Token id -> `topk` distinct experts, uniformly at random from a fixed CPU seed."""
+    """Token id -> `topk` distinct experts, uniformly at random from a fixed CPU seed (the
+    random-init table; a released checkpoint's `tid2eid` replaces it)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     noise = torch.rand(vocab, num_experts, generator=gen, device="cpu")
-    return noise.topk(topk, dim=1).indices.to(torch.int32)
+    return noise.topk(topk, dim=1).indices.to(torch.int64)
 
 
 class Router(nn.Module):
-    """sqrt(softplus) affinities; experts by top-k (or by hash table); weights renormalized."""
+    """sqrt(softplus) affinities s; experts by top-k of s + bias (noaux_tc) or by the token-id
+    table; weights s at the chosen experts, renormalized to sum 1, x routed scaling factor.
+
+    Buffers (persistent: loaded from and saved to checkpoints, never trained by autograd):
+    `bias` [E] float32 on routed layers (the release's `gate.bias`; it only shifts WHICH experts
+    win, never their weights; updated after optimizer steps only by `training/router_bias.py`),
+    `tid2eid` [vocab, K] int64 on hash layers (the release's `gate.tid2eid`). `init_weights`
+    draws them for a random-init run; a loaded checkpoint's values are kept as they are.
+    `load` [E] float32 (not persistent) counts the routed rows per expert since the last
+    `reset_load()` while `track_load` is on (training/router_bias.py turns it on), the statistic
+    of the bias-update rule. Both float buffers stay float32 when the model is cast (`_apply`):
+    a bf16 bias could not hold updates of 1e-3.
+    """
+
+    track_load = False
 
     def __init__(self, cfg: DeepseekV4Config, *, layer_idx: int, hashed: bool) -> None:
         super().__init__()
@@ -122,25 +137,51 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size))
         self.hashed = hashed
         self.vocab_size, self.hash_seed = cfg.vocab_size, cfg.hash_seed + layer_idx
+        dev = self.weight.device
         if hashed:
-            # One table per hash layer (seed offset by layer) so the first layers do not all
-            # send a token to the same experts. A buffer, never trained, saved with the model.
-            if self.weight.is_meta:  # shape-only model (parameter counting): no table to draw
-                table = torch.empty(cfg.vocab_size, self.topk, dtype=torch.int32, device="meta")
-            else:
-                table = hash_table(cfg.vocab_size, self.num_experts, self.topk, self.hash_seed)
-                table = table.to(self.weight.device)  # drawn on CPU: same table on every device
-            self.register_buffer("tid2eid", table)
+            self.register_buffer(
+                "tid2eid", torch.zeros(cfg.vocab_size, self.topk, dtype=torch.int64, device=dev)
+            )
+        else:
+            self.register_buffer(
+                "bias", torch.zeros(self.num_experts, dtype=torch.float32, device=dev)
+            )
+        self.register_buffer(
+            "load", torch.zeros(self.num_experts, dtype=torch.float32, device=dev), persistent=False
+        )
+        if not self.weight.is_meta:
+            self.init_weights(cfg.init_method_std)
 
     @torch.no_grad()
-    def init_buffers(self) -> None:
-        """Redraw the hash table in place (after `to_empty` from the meta device)."""
+    def init_weights(self, std: float) -> None:
+        """Random-init values: gate N(0, std), bias 0, hash table drawn from (hash_seed + layer):
+        one table per hash layer so the first layers do not all send a token to the same experts.
+        """
+        nn.init.normal_(self.weight, std=std)
+        self.init_routing_buffers()
+
+    @torch.no_grad()
+    def init_routing_buffers(self) -> None:
         if self.hashed:
             table = hash_table(self.vocab_size, self.num_experts, self.topk, self.hash_seed)
-            self.tid2eid.copy_(table)
+            self.tid2eid.copy_(table)  # drawn on CPU: the same table on every device
+        else:
+            self.bias.zero_()
+        self.load.zero_()
 
-    def init_weights(self, std: float) -> None:
-        nn.init.normal_(self.weight, std=std)
+    @torch.no_grad()
+    def reset_load(self) -> None:
+        self.load.zero_()
+
+    init_buffers = reset_load  # `load` is the only derived buffer (zeroed after `to_empty`)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in ("bias", "load"):
+            buf = self._buffers.get(name)
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                self._buffers[name] = buf.float()
+        return self
 
     def forward(
         self, x_TD: torch.Tensor, routing: RoutingInputs
@@ -154,10 +195,21 @@ class Router(nn.Module):
             ids_R = routing.token_ids_T.index_select(0, routing.routed_rows_R)
             expert_RK = self.tid2eid.index_select(0, ids_R.long()).long()
         else:
-            expert_RK = scores_RE.topk(self.topk, dim=-1).indices
+            biased_RE = scores_RE.detach() + self.bias.float()
+            expert_RK = biased_RE.topk(self.topk, dim=-1).indices
+        self._count(expert_RK)
         picked_RK = scores_RE.gather(1, expert_RK)
         weight_RK = picked_RK / (picked_RK.sum(-1, keepdim=True) + 1e-20) * self.route_scale
         return expert_RK, weight_RK, scores_RE
+
+    @torch.no_grad()
+    def _count(self, expert_RK: torch.Tensor) -> None:
+        """Add this forward's rows per expert to `load` (training only). A recompute inside
+        backward (activation checkpointing) is skipped, so each routed row counts once."""
+        if not (self.track_load and self.training) or torch._C._current_graph_task_id() != -1:
+            return
+        ones = torch.ones(expert_RK.numel(), dtype=self.load.dtype, device=expert_RK.device)
+        self.load.index_add_(0, expert_RK.reshape(-1).to(self.load.device), ones)
 
 
 def balance_loss(

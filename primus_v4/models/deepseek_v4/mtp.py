@@ -24,7 +24,7 @@ from torch import nn
 
 from primus_v4.models.deepseek_v4.block import Block, run_block
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
-from primus_v4.models.deepseek_v4.hyper_connection import HyperHead, lift_streams
+from primus_v4.models.deepseek_v4.hyper_connection import HyperHead
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
 from primus_v4.models.deepseek_v4.moe import Dispatcher, RoutingInputs
 from primus_v4.models.deepseek_v4.norm import RMSNorm
@@ -96,7 +96,11 @@ def mtp_streams(
 
 
 class MTPDepth(nn.Module):
-    """enorm(emb(t+k)) ++ hnorm(h_t) -> eh_proj -> K streams -> one layer -> own HyperHead."""
+    """Streams h [T, K, D] + emb(t+k) -> e_proj(enorm(emb)) + h_proj(hnorm(h)) per stream -> one
+    layer -> (streams for the next depth, own HyperHead + norm for the shared LM head).
+
+    The input streams are the previous stage's K streams BEFORE any HyperHead collapse (the last
+    decoder layer's for depth 1); the embedding projection is broadcast over the streams."""
 
     def __init__(
         self, cfg: DeepseekV4Config, *, depth: int, dispatcher: Dispatcher | None = None
@@ -104,10 +108,10 @@ class MTPDepth(nn.Module):
         super().__init__()
         d, eps = cfg.hidden_size, cfg.layernorm_epsilon
         self.depth = depth
-        self.hc_mult = cfg.hc_mult
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.e_proj = nn.Linear(d, d, bias=False)
+        self.h_proj = nn.Linear(d, d, bias=False)
         # Layer index after the decoder: never hash-routed, own compressor/indexer if any.
         self.block = Block(
             cfg,
@@ -121,23 +125,22 @@ class MTPDepth(nn.Module):
 
     def forward(
         self,
-        h_TD: torch.Tensor,
+        h_TKD: torch.Tensor,
         emb_TD: torch.Tensor,
         *,
         positions_T: torch.Tensor,
         layout: RowLayout,
         routing: RoutingInputs,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (hidden for the next depth, normed hidden for the LM head, balance loss)."""
+        """Returns (streams for the next depth, normed hidden for the LM head, balance loss)."""
         layout = require_layout(layout, f"MTP depth {self.depth}")
-        x_TD = self.eh_proj(torch.cat([self.enorm(emb_TD), self.hnorm(h_TD)], dim=-1))
+        x_TKD = self.e_proj(self.enorm(emb_TD)).unsqueeze(1) + self.h_proj(self.hnorm(h_TKD))
         x_TKD, aux = run_block(
             self.block,
-            lift_streams(x_TD, self.hc_mult),
+            x_TKD,
             positions_T=positions_T,
             layout=layout,
             routing=routing,
             checkpoint=self.checkpoint,
         )
-        out_TD = self.head_hc(x_TKD)
-        return out_TD, self.final_norm(out_TD), aux
+        return x_TKD, self.final_norm(self.head_hc(x_TKD)), aux

@@ -1,4 +1,4 @@
-"""Partial interleaved rotary embedding (RoPE) and the normalized Hadamard rotation.
+"""Partial interleaved rotary embedding (RoPE).
 
 Legend: T = rows, X = any middle dims (heads), D = channels, R = rotary channels (the last R of D).
 
@@ -44,15 +44,16 @@ def rope_inv_freq(
     they are, divides low-frequency pairs (fewer than `beta_slow` turns) by the factor, and ramps
     linearly in between (the DeepSeek-V3/V4 formulation).
     """
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # float32 throughout, as the release computes them (bit-for-bit the same frequencies).
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     if yarn_factor > 1.0:
         low = max(math.floor(_yarn_correction_dim(beta_fast, dim, base, original_max_pos)), 0)
         high = min(math.ceil(_yarn_correction_dim(beta_slow, dim, base, original_max_pos)), dim - 1)
         if low == high:
-            high += 1  # avoid a zero-width ramp
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+            high += 0.001  # avoid a zero-width ramp (the release's choice)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         freqs = freqs / yarn_factor * ramp + freqs * (1 - ramp)
-    return freqs.to(torch.float32)
+    return freqs
 
 
 class RotaryEmbedding(nn.Module):
@@ -106,13 +107,3 @@ class RotaryEmbedding(nn.Module):
         x0, x1 = pairs[..., 0], pairs[..., 1]
         rot = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
         return torch.cat((x_pass, rot), dim=-1)
-
-
-def hadamard_matrix(n: int) -> torch.Tensor:
-    """Normalized Sylvester Hadamard matrix [n, n] (orthonormal); n must be a power of two."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return (h / math.sqrt(n)).to(torch.float32)

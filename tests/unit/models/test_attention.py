@@ -87,7 +87,7 @@ def test_no_flow_between_samples(kind: str) -> None:
 def _direct(att: Attention, x_TD: torch.Tensor, pos_T: torch.Tensor) -> torch.Tensor:
     """One sample, full [T, T + P] masked softmax straight from the definition (small T only)."""
     t, w = x_TD.shape[0], att.window
-    q, kv = att._qkv(x_TD, pos_T)
+    q, kv, qr = att._qkv(x_TD, pos_T)
     row = torch.arange(t)
     mask = (row[:, None] - row[None, :] >= 0) & (row[:, None] - row[None, :] < w)
     keys = kv
@@ -97,7 +97,7 @@ def _direct(att: Attention, x_TD: torch.Tensor, pos_T: torch.Tensor) -> torch.Te
         g = torch.arange(pool.shape[0])
         vis = (g[None, :] + 1) * att.ratio - 1 <= row[:, None]
         if att.indexer is not None:
-            sel = att.indexer(x_TD, positions_T=pos_T, layout=layout, rope=att.rope)
+            sel = att.indexer(x_TD, qr, positions_T=pos_T, layout=layout, rope=att.rope)
             chosen = torch.zeros_like(vis)
             for k in range(sel.shape[1]):
                 ok = sel[:, k] >= 0

@@ -44,6 +44,16 @@ def test_mixer_and_head_are_row_wise():
     torch.testing.assert_close(run(x)[perm], run(x[perm]), rtol=0, atol=1e-6)  # fp32 einsum
 
 
+def test_write_back_sums_over_combs_first_index():
+    """y_j = post_j * f + sum_i comb[i, j] x_i (the release's direction; comb is not symmetric)."""
+    mixer = HyperMixer(hidden=3, k=2, sinkhorn_iters=1, eps=0.0, norm_eps=1e-6)
+    x = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])  # stream 0 = e0, stream 1 = e1
+    comb = torch.tensor([[[0.9, 0.1], [0.3, 0.7]]])
+    y = mixer.write_back(x, torch.zeros(1, 3), torch.zeros(1, 2), comb)
+    torch.testing.assert_close(y[0, 0], torch.tensor([0.9, 0.3, 0.0]))
+    torch.testing.assert_close(y[0, 1], torch.tensor([0.1, 0.7, 0.0]))
+
+
 def test_lift_copies_embedding_to_every_stream():
     x = torch.randn(3, 5)
     lifted = lift_streams(x, 4)

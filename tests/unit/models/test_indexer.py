@@ -23,7 +23,7 @@ def _inputs(seed: int = 0):
     cfg = DeepseekV4Config.preset("tiny", init_method_std=0.2, index_topk=8, index_topk_chunk=5)
     layout = RowLayout.from_cu_seqlens(CU, local_rows=700)
     pos = torch.arange(700) - layout.seq_start_T
-    return cfg, layout, pos, torch.randn(700, cfg.hidden_size)
+    return cfg, layout, pos, torch.randn(700, cfg.hidden_size), torch.randn(700, cfg.q_lora_rank)
 
 
 def _dense_topk(q, w, k, lo, hi, topk, scale):
@@ -61,11 +61,11 @@ def test_chunked_topk_equals_one_shot(chunk: int) -> None:
 
 
 def test_selection_is_visible_own_sample_and_exact() -> None:
-    cfg, layout, pos, x = _inputs()
+    cfg, layout, pos, x, qr = _inputs()
     indexer = Indexer(cfg, ratio=4)
     rope = RotaryEmbedding(cfg, compressed=True)
     plan = build_window_plan(layout, 4, overlap=True)
-    sel = indexer(x, positions_T=pos, layout=layout, rope=rope, plan=plan)
+    sel = indexer(x, qr, positions_T=pos, layout=layout, rope=rope, plan=plan)
     assert sel.shape == (700, 8)
     ok = sel >= 0
     lo, hi = plan.lo_T[:, None].expand_as(sel), plan.hi_T[:, None].expand_as(sel)
@@ -74,19 +74,21 @@ def test_selection_is_visible_own_sample_and_exact() -> None:
     assert torch.equal(ok.sum(1), n_vis)  # every visible key is used until K are chosen
     # One-shot dense scoring over the same keys selects exactly the same set.
     with torch.no_grad():
-        q = indexer.wq_b(indexer.wq_a(x)).view(700, cfg.index_n_heads, cfg.index_head_dim)
-        q = rope(q, pos) @ indexer.hadamard
+        # The query comes from the attention's q-LoRA latent qr (the release has no indexer wq_a).
+        q = indexer.wq_b(qr).view(700, cfg.index_n_heads, cfg.index_head_dim)
+        q = rope(q, pos)
         k = indexer.compressor(x, layout=layout, rope=rope, plan=plan)
         want = _dense_topk(q, indexer.weights_proj(x), k, plan.lo_T, plan.hi_T, 8, indexer.scale)
     assert torch.equal(sel, want)
 
 
 def test_indexer_is_frozen_and_detached() -> None:
-    cfg, layout, pos, x = _inputs()
+    cfg, layout, pos, x, qr = _inputs()
     indexer = Indexer(cfg, ratio=4)
     assert all(not p.requires_grad for p in indexer.parameters())
-    x = x.requires_grad_(True)
-    sel = indexer(x, positions_T=pos, layout=layout, rope=RotaryEmbedding(cfg, compressed=True))
+    x, qr = x.requires_grad_(True), qr.requires_grad_(True)
+    rope = RotaryEmbedding(cfg, compressed=True)
+    sel = indexer(x, qr, positions_T=pos, layout=layout, rope=rope)
     assert not sel.requires_grad and sel.dtype == torch.long
     with pytest.raises(ValueError, match="no RowLayout"):
-        indexer(x, positions_T=pos, layout=None, rope=RotaryEmbedding(cfg, compressed=True))
+        indexer(x, qr, positions_T=pos, layout=None, rope=rope)

@@ -168,9 +168,9 @@ def test_mtp_that_drops_the_layout_is_detected(model, monkeypatch):
     assert cross_sample_grad(model, p, 3, 2) == 0.0
     original = MTPDepth.forward
 
-    def forgetful(self, h_TD, emb_TD, *, positions_T, layout, routing):
+    def forgetful(self, h_TKD, emb_TD, *, positions_T, layout, routing):
         unpacked = RowLayout.unpacked(layout.local_rows)
-        return original(self, h_TD, emb_TD, positions_T=positions_T, layout=unpacked,
+        return original(self, h_TKD, emb_TD, positions_T=positions_T, layout=unpacked,
                         routing=routing)  # fmt: skip
 
     monkeypatch.setattr(MTPDepth, "forward", forgetful)

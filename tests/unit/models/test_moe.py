@@ -85,6 +85,31 @@ def test_learned_layer_routes_by_topk_scores():
     torch.testing.assert_close(expert_RK, scores_RE.topk(2, dim=-1).indices, rtol=0, atol=0)
 
 
+def test_routed_layer_chooses_by_biased_scores_and_weights_by_raw_scores():
+    """noaux_tc: top-k of s + gate.bias picks the experts, s at those experts (renormalized,
+    x routed scaling factor) weights them; the bias never enters the weights."""
+    moe = _moe(layer_idx=1)
+    x_TD = torch.randn(6, 64)
+    routing = _routing(torch.arange(6), [0, 6])
+    with torch.no_grad():
+        moe.router.bias.copy_(torch.tensor([5.0, 0, 0, 0, 0, 0, 0, 4.0]))  # forces 0 and 7
+    expert_RK, weight_RK, scores_RE = moe.router(x_TD, routing)
+    assert sorted(expert_RK[0].tolist()) == [0, 7] and all(
+        sorted(r.tolist()) == [0, 7] for r in expert_RK
+    )
+    picked = scores_RE.gather(1, expert_RK)
+    torch.testing.assert_close(weight_RK, picked / picked.sum(-1, keepdim=True) * 1.5)
+    assert moe.router.bias.dtype == torch.float32 and not moe.router.bias.requires_grad
+    assert "router.bias" in moe.state_dict() and "router.load" not in moe.state_dict()
+
+
+def test_hash_table_is_a_persistent_int64_buffer():
+    moe = _moe(layer_idx=0)
+    table = moe.state_dict()["router.tid2eid"]
+    assert table.dtype == torch.int64 and table.shape == (64, 2)
+    assert not hasattr(moe.router, "bias") or "router.bias" not in moe.state_dict()
+
+
 def test_balance_loss_is_per_sample_and_ignores_padding():
     moe = _moe()
     torch.manual_seed(1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
-from primus_v4.models.deepseek_v4.rope import RotaryEmbedding, hadamard_matrix, rope_inv_freq
+from primus_v4.models.deepseek_v4.rope import RotaryEmbedding, rope_inv_freq
 
 
 def _cfg(**kw) -> DeepseekV4Config:
@@ -49,8 +49,3 @@ def test_yarn_keeps_high_and_scales_low_frequencies() -> None:
     torch.testing.assert_close(yarn[-1], plain[-1] / 4)
     assert torch.all(yarn <= plain + 1e-12)
     assert torch.equal(rope_inv_freq(64, 40000.0, yarn_factor=1.0), plain)
-
-
-def test_hadamard_is_orthonormal() -> None:
-    h = hadamard_matrix(16)
-    torch.testing.assert_close(h @ h.T, torch.eye(16), rtol=0, atol=1e-6)  # float32 sums of 16

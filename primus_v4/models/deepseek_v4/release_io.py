@@ -1,0 +1,426 @@
+"""Released-checkpoint IO: memory-mapped per-tensor reads and atomic sharded writes.
+
+A release directory holds `config.json` and either `model.safetensors.index.json` + shards or
+one `model.safetensors`. Quantized weights are stored as `<module>.weight` plus a sibling
+`<module>.scale` (FP8 e4m3 with 128x128 ue8m0 blocks, or FP4 e2m1 packed two per int8 byte with
+ue8m0 scales per 32 inputs; see release_quant.py). `ReleaseReader.names()` lists the logical
+tensors (scales folded into their weights); `read(name, dtype=)` returns one dequantized tensor
+and counts the stored bytes it touched. `write_release` writes a directory the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from primus_v4.models.deepseek_v4.release_quant import (
+    FP4_BLOCK,
+    dequantize_fp4,
+    dequantize_fp8,
+    quantize_fp4,
+    quantize_fp8,
+)
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+# the release's storage per tensor: fp8 / fp4 are quantized linear weights, the rest as named
+Storage = Literal["fp8", "fp4", "bf16", "fp32", "int64"]
+ExportDtype = Literal["bfloat16", "fp8"]
+_PLAIN_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "int64": torch.int64,
+}
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "F4": torch.float4_e2m1fn_x2,
+}
+
+
+class ReleaseFormatError(ValueError):
+    """A release directory or one of its tensors is not what the reader or caller expects."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class StoredTensor:
+    """One tensor as stored: its shard file, safetensors dtype and stored shape."""
+
+    shard: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * self.dtype.itemsize
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ReleaseFormatError(f"{path}: missing (a release directory needs it)") from None
+    except json.JSONDecodeError as err:
+        raise ReleaseFormatError(f"{path}: not valid JSON ({err})") from None
+
+
+def _weight_map(directory: Path) -> dict[str, str]:
+    """Stored tensor name -> shard file name, from the index or the single file."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        weight_map = _load_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ReleaseFormatError(f"{index}: no 'weight_map' object")
+        by_shard: dict[str, str] = {}
+        for name, shard in weight_map.items():
+            by_shard.setdefault(shard, name)
+        for shard, name in sorted(by_shard.items()):
+            if not (directory / shard).is_file():
+                raise ReleaseFormatError(
+                    f"{directory / shard}: shard missing (the index maps '{name}' and others to "
+                    "it); download the complete checkpoint"
+                )
+        return dict(weight_map)
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE_FILE)
+    raise ReleaseFormatError(
+        f"{directory}: neither {INDEX_FILE} nor {SINGLE_FILE}; point at a released checkpoint "
+        "directory (config.json + safetensors)"
+    )
+
+
+class ReleaseReader:
+    """Memory-mapped reads of a release directory, one tensor at a time.
+
+    `bytes_read` sums the stored bytes (weights and their scales) of every tensor read so far,
+    which is what a rank that reads only its own slice is measured by.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_open_shards: int = 2) -> None:
+        self.directory = Path(directory)
+        self.max_open_shards = max_open_shards
+        if not self.directory.is_dir():
+            raise ReleaseFormatError(f"{self.directory}: not a directory")
+        self.config: dict = _load_json(self.directory / CONFIG_FILE)
+        self._shard_of = _weight_map(self.directory)
+        self._handles: dict[str, object] = {}
+        self._meta: dict[str, StoredTensor] = {}
+        self._scale_of: dict[str, str] = {}
+        for name in self._shard_of:
+            for suffix in SCALE_SUFFIXES:
+                if name.endswith(suffix):
+                    weight = name[: -len(suffix)] + ".weight"
+                    if weight in self._shard_of:
+                        self._scale_of[weight] = name
+        scales = set(self._scale_of.values())
+        self._names = sorted(n for n in self._shard_of if n not in scales)
+        self.bytes_read = 0
+
+    def __enter__(self) -> ReleaseReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def _handle(self, shard: str):
+        """The shard's open (memory-mapped) file. Only the few most recently used stay open:
+        pages of a mapped file count in the resident set while mapped, and loads walk the
+        shards in order, so closing older ones keeps peak memory near the parameters'."""
+        handle = self._handles.pop(shard, None)
+        if handle is None:
+            handle = safe_open(self.directory / shard, framework="pt")
+        self._handles[shard] = handle  # most recent last
+        while len(self._handles) > self.max_open_shards:
+            del self._handles[next(iter(self._handles))]
+        return handle
+
+    def _stored(self, name: str) -> StoredTensor:
+        if name not in self._meta:
+            shard = self._shard_of.get(name)
+            if shard is None:
+                raise ReleaseFormatError(
+                    f"{self.directory}: no tensor '{name}' in the checkpoint ({len(self._names)} "
+                    "tensors; check the model config matches this checkpoint)"
+                )
+            view = self._handle(shard).get_slice(name)
+            dtype = _ST_DTYPES.get(view.get_dtype())
+            if dtype is None:
+                raise ReleaseFormatError(
+                    f"{self.directory / shard}: '{name}' has unsupported dtype {view.get_dtype()}"
+                )
+            self._meta[name] = StoredTensor(shard=shard, dtype=dtype, shape=tuple(view.get_shape()))
+        return self._meta[name]
+
+    def names(self) -> list[str]:
+        """Logical tensor names (quantization scales folded into their weights), sorted."""
+        return list(self._names)
+
+    def stored_names(self) -> list[str]:
+        return sorted(self._shard_of)
+
+    def shard_of(self, name: str) -> str:
+        return self._stored(name).shard
+
+    def storage(self, name: str) -> str:
+        """'fp8' / 'fp4' for quantized weights, 'bf16' / 'fp32' / 'int64' (else the torch dtype
+        name) for tensors stored as is."""
+        stored = self._stored(name)
+        if name in self._scale_of:
+            return "fp4" if stored.dtype in (torch.int8, torch.float4_e2m1fn_x2) else "fp8"
+        plain = {v: k for k, v in _PLAIN_DTYPES.items()}
+        return plain.get(stored.dtype, str(stored.dtype).removeprefix("torch."))
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype (float8_e4m3fn / int8 for quantized weights)."""
+        return self._stored(name).dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The logical shape: a packed FP4 weight `[N, K/2]` reads as `[N, K]`."""
+        shape = self._stored(name).shape
+        return (*shape[:-1], 2 * shape[-1]) if self.storage(name) == "fp4" else shape
+
+    def nbytes(self, name: str) -> int:
+        """Stored bytes of a logical tensor, its scale included."""
+        scale = self._scale_of.get(name)
+        return self._stored(name).nbytes + (self._stored(scale).nbytes if scale else 0)
+
+    def total_bytes(self) -> int:
+        return sum(self.nbytes(n) for n in self._names)
+
+    def _raw(self, name: str) -> torch.Tensor:
+        stored = self._stored(name)
+        self.bytes_read += stored.nbytes
+        return self._handle(stored.shard).get_tensor(name)
+
+    def read(
+        self, name: str, dtype: torch.dtype | None = None, *, shape: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """One tensor, dequantized when stored FP8/FP4 (into `dtype`, default bfloat16), else
+        as stored (cast to `dtype` when given). `shape` (the parameter's) is checked."""
+        if shape is not None and tuple(shape) != self.shape(name):
+            raise ReleaseFormatError(
+                f"{self.directory / self.shard_of(name)}: '{name}' has shape "
+                f"{list(self.shape(name))} in the checkpoint but {list(shape)} in the model; "
+                "the config does not match this checkpoint"
+            )
+        kind = self.storage(name)
+        if kind in ("fp8", "fp4"):
+            weight, scale = self._raw(name), self._raw(self._scale_of[name])
+            out_dtype = dtype or torch.bfloat16
+            if kind == "fp8":
+                return dequantize_fp8(weight, scale, out_dtype)
+            return dequantize_fp4(weight, scale, out_dtype)
+        tensor = self._raw(name)
+        return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`read` without the shape check (the name release.py's `build_state` callers use)."""
+        return self.read(name, dtype)
+
+
+@dataclass(kw_only=True, frozen=True)
+class WriteSummary:
+    """What `write_release` wrote."""
+
+    directory: Path
+    shards: int
+    tensors: int
+    total_bytes: int
+
+
+def _encode(
+    name: str, tensor: torch.Tensor, storage: str, dtype: ExportDtype
+) -> list[tuple[str, torch.Tensor]]:
+    """One logical tensor -> the stored tensors (a weight and maybe its scale)."""
+    if storage in ("fp8", "fp4") and dtype == "fp8":
+        if tensor.ndim != 2 or not name.endswith(".weight"):
+            raise ReleaseFormatError(
+                f"'{name}' {list(tensor.shape)}: only 2-D '.weight' tensors can be stored {storage}"
+            )
+        try:
+            q, scale = quantize_fp8(tensor) if storage == "fp8" else quantize_fp4(tensor)
+        except ValueError as err:
+            raise ReleaseFormatError(
+                f"'{name}': {err}; this geometry cannot be stored in the release's {storage} "
+                "layout, export it with dtype 'bfloat16'"
+            ) from None
+        return [(name, q), (name.removesuffix(".weight") + ".scale", scale)]
+    target = torch.bfloat16 if storage in ("fp8", "fp4") else _PLAIN_DTYPES.get(storage)
+    if target is None:
+        raise ReleaseFormatError(f"'{name}': unknown storage '{storage}' (expected {Storage})")
+    return [(name, tensor.detach().to(target).contiguous())]
+
+
+def _release_config(config: dict, dtype: ExportDtype) -> dict:
+    """The config.json to write: `quantization_config` (and FP4 experts) only for fp8."""
+    out = {k: v for k, v in config.items() if k not in ("quantization_config", "expert_dtype")}
+    out["torch_dtype"] = "bfloat16"
+    if dtype == "fp8":
+        out["expert_dtype"] = "fp4"
+        out["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [128, 128],
+        }
+    return out
+
+
+def _prepare_target(out_dir: Path) -> Path:
+    """A fresh temp directory beside `out_dir` (renamed into place at the end)."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ReleaseFormatError(
+            f"{out_dir}: exists and is not an empty directory; choose a new output directory"
+        )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def write_release(
+    out_dir: str | os.PathLike,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    kinds: Mapping[str, str] | Callable[[str], str],
+    config: dict,
+    *,
+    dtype: ExportDtype = "bfloat16",
+    max_shard_bytes: int = 5 * 2**30,
+    extra_files: Sequence[str | os.PathLike] = (),
+    progress: Callable[[int], None] | None = None,
+) -> WriteSummary:
+    """Write release-named tensors as a release directory, atomically.
+
+    `tensors` is consumed lazily (one shard's worth is held at a time); `kinds[name]` (a mapping
+    or a callable) says how the release stores each tensor (release.py's kinds). `dtype`
+    "bfloat16" stores fp8/fp4 tensors as bf16, "fp8" quantizes them like the release. Shards
+    hold at most `max_shard_bytes` (a single larger tensor gets its own shard); `extra_files`
+    (tokenizer files) are copied in. Everything is written to a temp directory that is renamed
+    to `out_dir` when complete, so a reader never sees a half-written checkpoint.
+    `progress(n)` is called per written tensor.
+    """
+    if dtype not in ("bfloat16", "fp8"):
+        raise ReleaseFormatError(f"export dtype '{dtype}': expected 'bfloat16' or 'fp8'")
+    storage = kinds.__getitem__ if isinstance(kinds, Mapping) else kinds
+    out_dir = Path(out_dir)
+    tmp = _prepare_target(out_dir)
+    try:
+        shard_names, weight_map, total = _write_shards(
+            tmp, tensors, storage, dtype, max_shard_bytes, progress
+        )
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        release_config = _release_config(config, dtype)
+        (tmp / CONFIG_FILE).write_text(json.dumps(release_config, indent=2) + "\n")
+        for path in extra_files:
+            shutil.copyfile(path, tmp / Path(path).name)
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return WriteSummary(
+        directory=out_dir, shards=len(shard_names), tensors=len(weight_map), total_bytes=total
+    )
+
+
+def _write_shards(
+    tmp: Path,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    storage: Callable[[str], str],
+    dtype: ExportDtype,
+    max_shard_bytes: int,
+    progress: Callable[[int], None] | None,
+) -> tuple[list[str], dict[str, str], int]:
+    """Stream tensors into numbered shards, then give them their final `-of-` names."""
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes, total = 0, 0
+    written: list[tuple[str, list[str]]] = []
+    seen: set[str] = set()
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        if pending:
+            path = tmp / f"shard-{len(written):05d}.safetensors"
+            save_file(pending, path, metadata={"format": "pt"})
+            written.append((path.name, list(pending)))
+        pending, pending_bytes = {}, 0
+
+    for name, tensor in tensors:
+        encoded = _encode(name, tensor, storage(name), dtype)
+        size = sum(t.numel() * t.element_size() for _, t in encoded)
+        if pending and pending_bytes + size > max_shard_bytes:
+            flush()
+        for stored_name, t in encoded:
+            if stored_name in seen:
+                raise ReleaseFormatError(f"'{stored_name}' given twice to write_release")
+            seen.add(stored_name)
+            pending[stored_name] = t
+        pending_bytes += size
+        total += size
+        if progress is not None:
+            progress(1)
+    flush()
+    weight_map: dict[str, str] = {}
+    final: list[str] = []
+    for i, (tmp_name, names) in enumerate(written):
+        shard = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        (tmp / tmp_name).rename(tmp / shard)
+        final.append(shard)
+        weight_map.update(dict.fromkeys(names, shard))
+    return final, weight_map, total
+
+
+def tokenizer_files(directory: str | os.PathLike) -> list[Path]:
+    """The tokenizer/generation files of a release directory that exist (copied on export)."""
+    return [Path(directory) / f for f in TOKENIZER_FILES if (Path(directory) / f).is_file()]
+
+
+__all__ = [
+    "FP4_BLOCK",
+    "ReleaseFormatError",
+    "ReleaseReader",
+    "Storage",
+    "WriteSummary",
+    "tokenizer_files",
+    "write_release",
+]

@@ -1,0 +1,187 @@
+"""The release's storage formats: FP8 e4m3 with ue8m0 128x128 block scales, FP4 e2m1 experts.
+
+Legend: N = output rows, K = input columns of a linear weight `[N, K]`.
+- FP8: `weight` float8_e4m3fn `[N, K]`, `scale` e8m0 `[ceil(N/128), ceil(K/128)]`,
+  value = e4m3(weight) * 2^(scale_byte - 127).
+- FP4: `weight` int8 `[N, K/2]`, two e2m1 codes per byte (low nibble = even column, high nibble
+  = odd column, as DeepSeek's inference/convert.py and kernel.py unpack them), `scale` e8m0
+  `[N, K/32]` (one per 32 input columns).
+Dequantization is exact: an e4m3 or e2m1 value times a power of two is representable in float32
+(and float64) unless the product leaves the format's range (scales near 2^127 overflow to inf).
+Quantization snaps scales up to powers of two (ue8m0) like the release, so
+|x / scale| <= 448 (FP8) or 6 (FP4) and the error per element is bounded by
+`fp8_error_bound` / `fp4_error_bound` below.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_BLOCK = 128
+FP4_BLOCK = 32
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+E8M0_BIAS = 127
+# e2m1 codes 0..15: sign bit 3, exponent bits 2..1, mantissa bit 0 (bias 1; code 1 is subnormal)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_VALUES += tuple(-v for v in FP4_VALUES)
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """Scale tensor -> float32 powers of two. e8m0 bytes (float8_e8m0fnu or uint8) are built
+    bit-exactly (byte << 23 is 2^(byte-127); byte 0 is the subnormal 2^-127; 255 is NaN);
+    float scales (older FP8 checkpoints) pass through."""
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        return scale.to(torch.float32)
+    byte = scale.view(torch.uint8).to(torch.int32)
+    bits = torch.where(byte == 0, torch.tensor(1 << 22, dtype=torch.int32), byte << 23)
+    out = bits.view(torch.float32)
+    return torch.where(byte == 255, torch.tensor(float("nan")), out)
+
+
+def float_to_e8m0(exponent: torch.Tensor) -> torch.Tensor:
+    """Integer exponents in [-127, 127] -> float8_e8m0fnu scale bytes."""
+    return (exponent.to(torch.int32) + E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _block_view(x: torch.Tensor, br: int, bc: int) -> tuple[torch.Tensor, int, int]:
+    """Zero-pad `[N, K]` up to whole blocks and view it as `[N/br, br, K/bc, bc]`."""
+    n, k = x.shape
+    pn, pk = -n % br, -k % bc
+    if pn or pk:
+        x = F.pad(x, (0, pk, 0, pn))
+    return x.view((n + pn) // br, br, (k + pk) // bc, bc), n, k
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where to multiply: e4m3 / e2m1 values and power-of-two scales are exact in bf16, fp32 and
+    fp64, and one multiply rounds the exact product once, so computing straight in the target
+    gives the same bits as float32-then-cast at a third of the memory traffic for bf16. Other
+    targets (fp16: too little exponent range for 2^+-127) go through float32."""
+    return dtype if dtype in (torch.bfloat16, torch.float32, torch.float64) else torch.float32
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 e4m3 `[N, K]` with `[ceil(N/128), ceil(K/128)]` block scales -> `dtype` `[N, K]`."""
+    n, k = weight.shape
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    if tuple(scale.shape) != (nb, kb):
+        raise ValueError(
+            f"FP8 weight [{n}, {k}] needs a block scale of shape [{nb}, {kb}] (128x128 blocks), "
+            f"got {list(scale.shape)}"
+        )
+    work = _work_dtype(dtype)
+    s = e8m0_to_float(scale).to(work)
+    if n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0:
+        w = weight.to(work).view(nb, FP8_BLOCK, kb, FP8_BLOCK)
+        w.mul_(s[:, None, :, None])
+        return w.view(n, k).to(dtype)
+    w, _, _ = _block_view(weight.to(work), FP8_BLOCK, FP8_BLOCK)
+    w = w * s[:, None, :, None]
+    return w.reshape(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].to(dtype)
+
+
+def _fp4_pair_table(work: torch.dtype) -> torch.Tensor:
+    """[256, 2]: byte -> (value of its low nibble, value of its high nibble)."""
+    values = torch.tensor(FP4_VALUES, dtype=work)
+    byte = torch.arange(256)
+    return torch.stack([values[byte & 0xF], values[byte >> 4]], dim=1)
+
+
+def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP4 e2m1 packed `[N, K/2]` (int8 or float4_e2m1fn_x2) with `[N, K/32]` scales -> `[N, K]`."""
+    n, half = weight.shape
+    k = 2 * half
+    if k % FP4_BLOCK or tuple(scale.shape) != (n, k // FP4_BLOCK):
+        raise ValueError(
+            f"FP4 weight [{n}, {half}] packed ({k} input columns) needs a scale of shape "
+            f"[{n}, {k // FP4_BLOCK}] (one per {FP4_BLOCK} columns), got {list(scale.shape)}"
+        )
+    work = _work_dtype(dtype)
+    # One gather does decode and scale: the tensor has few distinct scales, so a table of
+    # [distinct scale, byte] -> (low value, high value), each product rounded once as a multiply
+    # would, is small; the index is the byte plus 256 x the scale's slot (int32: embedding()
+    # takes it without an int64 copy).
+    blocks = scale.contiguous().view(torch.uint8)
+    distinct, slot = torch.unique(blocks, return_inverse=True)
+    table = _fp4_pair_table(work)[None] * e8m0_to_float(distinct).to(work)[:, None, None]
+    codes = weight.contiguous().view(torch.uint8).view(n, k // FP4_BLOCK, FP4_BLOCK // 2)
+    index = torch.add(codes, (slot.to(torch.int32) * 256)[:, :, None])
+    return F.embedding(index, table.view(-1, 2)).view(n, k).to(dtype)
+
+
+def _pow2_exponent(amax: torch.Tensor, limit: float) -> torch.Tensor:
+    """Smallest e with amax / 2^e <= limit (ue8m0 rounds scales up), clamped to e8m0's range."""
+    mantissa, exponent = torch.frexp(amax / limit)  # amax/limit = m * 2^e, m in [0.5, 1)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # exact powers of two stay
+    return exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[N, K]` -> (float8_e4m3fn `[N, K]`, e8m0 `[ceil(N/128), ceil(K/128)]`)."""
+    w, n, k = _block_view(weight.detach().to(torch.float32).contiguous(), FP8_BLOCK, FP8_BLOCK)
+    amax = w.abs().amax(dim=(1, 3)).clamp_min(torch.finfo(torch.float32).tiny)
+    exponent = _pow2_exponent(amax, FP8_MAX)
+    s = torch.ldexp(torch.ones_like(amax), exponent)
+    q = (w / s[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.reshape(w.shape[0] * FP8_BLOCK, w.shape[2] * FP8_BLOCK)[:n, :k].contiguous()
+    return q, float_to_e8m0(exponent)
+
+
+def _fp4_boundaries() -> torch.Tensor:
+    """Rounding boundaries between neighbouring e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6.
+
+    bucketize sends a value equal to a boundary down; ties must go to the even code, which is
+    up at 0.75, 1.75 and 3.5 (odd codes below them), so those boundaries move to the float just
+    below: a value equal to the midpoint is then above it, anything smaller is not.
+    """
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    up = torch.tensor([False, True, False, True, False, True, False])
+    return torch.where(up, torch.nextafter(mids, torch.zeros(())), mids)
+
+
+def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
+    """float32 values already in [-6, 6] -> e2m1 codes (int32), nearest, ties to even code."""
+    code = torch.bucketize(x.abs(), _fp4_boundaries(), out_int32=True)
+    return code.bitwise_or_(torch.signbit(x).to(torch.int32) << 3)
+
+
+def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[N, K]` (K a multiple of 32) -> (int8 `[N, K/2]` packed e2m1, e8m0 `[N, K/32]`)."""
+    n, k = weight.shape
+    if k % FP4_BLOCK:
+        raise ValueError(
+            f"FP4 needs the input dimension to be a multiple of {FP4_BLOCK}, got [{n}, {k}]"
+        )
+    # contiguous: exported expert weights are transposed views of ours
+    w = weight.detach().to(torch.float32).contiguous().view(n, k // FP4_BLOCK, FP4_BLOCK)
+    amax = w.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny)
+    exponent = _pow2_exponent(amax, FP4_MAX)
+    s = torch.ldexp(torch.ones_like(amax), exponent)
+    codes = _fp4_codes((w / s[:, :, None]).clamp_(-FP4_MAX, FP4_MAX)).view(n, k // 2, 2)
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    return packed.view(torch.int8), float_to_e8m0(exponent)
+
+
+def fp8_error_bound(weight: torch.Tensor) -> torch.Tensor:
+    """Per-element bound on |dequant(quant(w)) - w|: e4m3 keeps 3 mantissa bits, so a normal
+    value rounds by at most 2^-4 of itself; below e4m3's smallest normal (2^-6 x scale) the
+    spacing is 2^-9 x scale, half of it absolute. scale <= 2 amax / 448 (ue8m0 rounds up)."""
+    w, n, k = _block_view(weight.detach().to(torch.float32), FP8_BLOCK, FP8_BLOCK)
+    amax = w.abs().amax(dim=(1, 3))
+    scale = torch.ldexp(torch.ones_like(amax), _pow2_exponent(amax.clamp_min(1e-38), FP8_MAX))
+    floor = (scale * 2.0**-10)[:, None, :, None].expand_as(w)
+    floor = floor.reshape(w.shape[0] * FP8_BLOCK, -1)[:n, :k]
+    return weight.detach().abs().float() * 2.0**-4 + floor
+
+
+def fp4_error_bound(weight: torch.Tensor) -> torch.Tensor:
+    """Per-element bound for FP4: e2m1 keeps 1 mantissa bit (spacing 2^-1 of the binade from
+    1 x scale up, so at most 1/4 of the value), and below 1 x scale the grid step is 0.5 x scale
+    (at most 0.25 x scale absolute)."""
+    n, k = weight.shape
+    w = weight.detach().to(torch.float32).reshape(n, k // FP4_BLOCK, FP4_BLOCK)
+    amax = w.abs().amax(dim=2)
+    scale = torch.ldexp(torch.ones_like(amax), _pow2_exponent(amax.clamp_min(1e-38), FP4_MAX))
+    return (w.abs() * 0.25 + scale[:, :, None] * 0.25).view(n, k)

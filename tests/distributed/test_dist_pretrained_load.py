@@ -1,0 +1,128 @@
+"""Sharded pretrained load: 4 gloo processes at PP=2 x EP=2 build the model on the meta device,
+cut their stage and expert shard, and fill it from one FP8/FP4 release checkpoint. Each rank
+holds exactly its slice of the one-process model loaded from the same directory (bit-equal) and
+reads exactly the stored bytes of the release tensors of its slice (weights + scales), measured
+by the reader and printed: its stage's non-expert tensors and half of that stage's experts,
+never the other stage's layers or the other half's experts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "models"))
+from release_checkpoint import random_release_tensors, release_config
+
+from primus_v4.models.deepseek_v4 import release
+from primus_v4.models.deepseek_v4.pretrained import load_release, read_config
+from primus_v4.models.deepseek_v4.release_io import ReleaseReader, write_release
+from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
+from primus_v4.parallel.parallelize import parallelize
+from primus_v4.parallel.pipeline import plan_stages
+from primus_v4.training.pretrained_load import load_rank_weights
+
+
+@pytest.fixture(scope="module")
+def fp8_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Geometry "a" (dense, CSA, HCA layers, a hash layer, MTP) as an FP8 + FP4 release in
+    several shards."""
+    # more and wider experts than geometry "a" has, so experts dominate the bytes as in the
+    # release (Flash: ~95% of the checkpoint) and each rank's share is near a quarter
+    config = {**release_config("a"), "n_routed_experts": 32, "moe_intermediate_size": 64}
+    tensors = random_release_tensors(config, seed=11)
+    cfg = release.config_from_release(config)
+    kinds = {r.name: r.kind for r in release.release_tensors(cfg).values()}
+    out = tmp_path_factory.mktemp("release") / "fp8"
+    write_release(out, tensors.items(), kinds, config, dtype="fp8", max_shard_bytes=64 * 1024)
+    return out
+
+
+def _load_rank(rank: int, world: int, directory: str) -> dict:
+    from primus_v4.models.deepseek_v4 import DeepseekV4Model
+
+    ctx = init_parallel(ParallelDims(world=world, pp=2, ep=2), backend="gloo")
+    try:
+        with torch.device("meta"):
+            full = DeepseekV4Model(read_config(directory))
+        loads = []
+        done = parallelize(
+            full, ctx, pp_layout=None, packed=True, device=torch.device("cpu"), seed=0,
+            weights=lambda m: loads.append(load_rank_weights(m, directory)),
+        )  # fmt: skip
+        model = done.model
+        return {
+            "pp": ctx.pp.rank,
+            "ep": ctx.ep.rank,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "sharded": {n for n, p in model.named_parameters() if getattr(p, "expert_parallel", 0)},
+            "bytes_read": loads[0].bytes_read,
+            "total": loads[0].checkpoint_bytes,
+        }
+    finally:
+        destroy_parallel()
+
+
+def _release_names_of_rank(names: list[str], layers: set[int], first: bool, last: bool,
+                           experts: range) -> set[str]:  # fmt: skip
+    """Which release tensors a rank keeps, from the names alone (independent of the table)."""
+    keep = set()
+    for name in names:
+        m = re.match(r"layers\.(\d+)\.", name)
+        if m:
+            if int(m.group(1)) not in layers:
+                continue
+        elif name.startswith(("mtp.", "head.", "norm.", "hc_head_")):
+            if not last:
+                continue
+        elif name.startswith("embed.") and not (first or last):
+            continue  # (the last stage keeps an embedding copy for MTP)
+        e = re.search(r"\.experts\.(\d+)\.", name)
+        if e and int(e.group(1)) not in experts:
+            continue
+        keep.add(name)
+    return keep
+
+
+def test_pp2_ep2_ranks_load_exactly_their_slice(fp8_release: Path) -> None:
+    ranks = run_ranks(_load_rank, 4, str(fp8_release), timeout_s=180)
+    ref = load_release(fp8_release, dtype=torch.float32, progress=False).state_dict()
+    cfg = read_config(fp8_release)
+    specs = plan_stages(pp=2, num_layers=cfg.num_layers, mtp_num_layers=cfg.mtp_num_layers or 0,
+                        layout=None)  # fmt: skip
+    local = cfg.num_moe_experts // 2
+    with ReleaseReader(fp8_release) as reader:
+        names = reader.names()
+        nbytes = {n: reader.nbytes(n) for n in names}
+    seen: set[str] = set()
+    report = []
+    for r in ranks:
+        for name, value in r["state"].items():
+            want = ref[name]
+            if name in r["sharded"]:
+                want = want[r["ep"] * local : (r["ep"] + 1) * local]
+            assert torch.equal(value, want), (r["pp"], r["ep"], name)
+            seen.add(name)
+        spec = specs[r["pp"]]
+        experts = range(r["ep"] * local, (r["ep"] + 1) * local)
+        mine = _release_names_of_rank(names, set(spec.decoder_layers), spec.has_embedding,
+                                      spec.has_loss, experts)  # fmt: skip
+        assert r["bytes_read"] == sum(nbytes[n] for n in mine), (r["pp"], r["ep"])
+        whole_stage = _release_names_of_rank(names, set(spec.decoder_layers), spec.has_embedding,
+                                             spec.has_loss, range(cfg.num_moe_experts))  # fmt: skip
+        stage_experts = sum(nbytes[n] for n in whole_stage if ".experts." in n)
+        # its stage only, and of that stage's experts exactly its half
+        assert sum(nbytes[n] for n in mine if ".experts." in n) * 2 == stage_experts
+        report.append({"pp": r["pp"], "ep": r["ep"], "bytes_read": r["bytes_read"],
+                       "stage_bytes": sum(nbytes[n] for n in whole_stage),
+                       "checkpoint_bytes": r["total"],
+                       "fraction": round(r["bytes_read"] / r["total"], 3)})  # fmt: skip
+        assert r["bytes_read"] < r["total"], report
+    assert seen == set(ref), set(ref) ^ seen
+    print("sharded load, bytes per rank:", json.dumps(report))

@@ -1,0 +1,157 @@
+"""Release directory IO: sharded atomic writes, memory-mapped reads, byte counting, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from primus_v4.models.deepseek_v4.release_io import (
+    INDEX_FILE,
+    ReleaseFormatError,
+    ReleaseReader,
+    write_release,
+)
+from primus_v4.models.deepseek_v4.release_quant import (
+    dequantize_fp4,
+    dequantize_fp8,
+    quantize_fp4,
+    quantize_fp8,
+)
+
+KINDS = {
+    "layers.0.attn.wq_a.weight": "fp8",
+    "layers.0.attn.attn_sink": "fp32",
+    "layers.0.attn_norm.weight": "bf16",
+    "layers.0.ffn.experts.0.w1.weight": "fp4",
+    "layers.0.ffn.experts.1.w1.weight": "fp4",
+    "layers.0.ffn.gate.tid2eid": "int64",
+}
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layers.0.attn.wq_a.weight": torch.randn(200, 136, generator=g),
+        "layers.0.attn.attn_sink": torch.randn(4, generator=g),
+        "layers.0.attn_norm.weight": torch.randn(136, generator=g),
+        "layers.0.ffn.experts.0.w1.weight": torch.randn(64, 96, generator=g),
+        "layers.0.ffn.experts.1.w1.weight": torch.randn(64, 96, generator=g),
+        "layers.0.ffn.gate.tid2eid": torch.randint(0, 8, (10, 2), generator=g),
+    }
+
+
+def test_bf16_export_reads_back_bit_identical_in_bounded_shards(tmp_path: Path) -> None:
+    tensors = _tensors()
+    out = tmp_path / "bf16"
+    summary = write_release(out, tensors.items(), KINDS, {"model_type": "deepseek_v4"},
+                            max_shard_bytes=60_000)  # fmt: skip
+    index = json.loads((out / INDEX_FILE).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert summary.shards == len(shards) >= 2
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    for shard in shards:  # bounded: only a tensor larger than the bound alone may exceed it
+        assert (out / shard).stat().st_size < 60_000 + 4096
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "deepseek_v4"
+    with ReleaseReader(out) as reader:
+        assert reader.names() == sorted(tensors)
+        for name, t in tensors.items():
+            kind = KINDS[name]
+            stored = {"fp8": torch.bfloat16, "fp4": torch.bfloat16, "bf16": torch.bfloat16}
+            want = t.to(stored.get(kind, t.dtype))
+            got = reader.read(name)
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+        assert reader.bytes_read == index["metadata"]["total_size"] == reader.total_bytes()
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_fp8_export_stores_the_release_layout_and_dequantizes(tmp_path: Path) -> None:
+    tensors = _tensors(1)
+    out = tmp_path / "fp8"
+    write_release(out, tensors.items(), KINDS.__getitem__, {"model_type": "deepseek_v4"},
+                  dtype="fp8")  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    assert config["quantization_config"]["scale_fmt"] == "ue8m0" and config["expert_dtype"] == "fp4"
+    with ReleaseReader(out) as reader:
+        assert "layers.0.attn.wq_a.scale" in reader.stored_names()
+        assert "layers.0.attn.wq_a.scale" not in reader.names()
+        assert reader.dtype("layers.0.attn.wq_a.weight") == torch.float8_e4m3fn
+        assert reader.dtype("layers.0.ffn.experts.0.w1.weight") == torch.int8
+        assert reader.shape("layers.0.ffn.experts.0.w1.weight") == (64, 96)  # logical, not 48
+        assert reader.storage("layers.0.ffn.experts.0.w1.weight") == "fp4"
+        wq = tensors["layers.0.attn.wq_a.weight"]
+        got = reader.read("layers.0.attn.wq_a.weight", torch.float32)
+        assert torch.equal(got, dequantize_fp8(*quantize_fp8(wq), torch.float32))
+        w1 = tensors["layers.0.ffn.experts.1.w1.weight"]
+        got = reader.read("layers.0.ffn.experts.1.w1.weight", torch.float32, shape=(64, 96))
+        assert torch.equal(got, dequantize_fp4(*quantize_fp4(w1), torch.float32))
+        # bytes: e4m3 1 B/value + 2x2 scales; fp4 0.5 B/value + one scale byte per 32
+        assert reader.nbytes("layers.0.attn.wq_a.weight") == 200 * 136 + 2 * 2
+        assert reader.nbytes("layers.0.ffn.experts.1.w1.weight") == 64 * 48 + 64 * 3
+        before = reader.bytes_read
+        reader.read("layers.0.ffn.experts.0.w1.weight")
+        assert reader.bytes_read - before == 64 * 48 + 64 * 3
+
+
+def test_reader_opens_a_single_file_checkpoint(tmp_path: Path) -> None:
+    save_file({"a.weight": torch.ones(2, 3)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    with ReleaseReader(tmp_path) as reader:
+        assert reader.names() == ["a.weight"]
+        assert torch.equal(reader.read("a.weight"), torch.ones(2, 3))
+
+
+def test_reader_errors_name_what_and_where(tmp_path: Path) -> None:
+    with pytest.raises(ReleaseFormatError, match="not a directory"):
+        ReleaseReader(tmp_path / "nope")
+    with pytest.raises(ReleaseFormatError, match=r"config.json: missing"):
+        ReleaseReader(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ReleaseFormatError, match=r"neither model\.safetensors\.index\.json"):
+        ReleaseReader(tmp_path)
+    out = tmp_path / "ck"
+    write_release(out, _tensors().items(), KINDS, {}, max_shard_bytes=60_000)
+    with ReleaseReader(out) as reader:
+        with pytest.raises(ReleaseFormatError, match=r"no tensor 'layers.9.x'"):
+            reader.read("layers.9.x")
+        with pytest.raises(ReleaseFormatError, match=r"'layers.0.attn_norm.weight' has shape "
+                           r"\[136\] in the checkpoint but \[135\] in the model"):  # fmt: skip
+            reader.read("layers.0.attn_norm.weight", shape=(135,))
+    last = sorted(out.glob("model-*.safetensors"))[-1]
+    last.unlink()
+    with pytest.raises(ReleaseFormatError, match=rf"{last.name}: shard missing \(the index maps"):
+        ReleaseReader(out)
+
+
+def test_write_is_atomic_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    def broken():
+        yield "layers.0.attn_norm.weight", torch.ones(4)
+        raise RuntimeError("source failed")
+
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="source failed"):
+        write_release(out, broken(), KINDS, {}, max_shard_bytes=1)
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing half-written remains
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(ReleaseFormatError, match="exists and is not an empty directory"):
+        write_release(out, _tensors().items(), KINDS, {})
+    with pytest.raises(ReleaseFormatError, match="given twice"):
+        twice = [("layers.0.attn_norm.weight", torch.ones(2))] * 2
+        write_release(tmp_path / "t", twice, KINDS, {})
+    with pytest.raises(ReleaseFormatError, match=r"only 2-D '.weight' tensors can be stored fp8"):
+        write_release(tmp_path / "u", [("x.bias", torch.ones(4))], {"x.bias": "fp8"}, {},
+                      dtype="fp8")  # fmt: skip
+
+
+def test_extra_files_travel_with_the_export(tmp_path: Path) -> None:
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text('{"model": {}}')
+    out = tmp_path / "out"
+    write_release(out, _tensors().items(), KINDS, {}, extra_files=[tok])
+    assert (out / "tokenizer.json").read_text() == tok.read_text()

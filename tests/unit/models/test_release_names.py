@@ -1,0 +1,250 @@
+"""The release name table: one-to-one with our state dict at the Flash geometry (meta device),
+the same names HF's conversion mapping implies, exact round trips for whole models and for
+pipeline-stage / expert-shard subsets, strict config.json conversion and loader errors.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from release_checkpoint import make_checkpoint, random_release_tensors, release_config
+from safetensors.torch import load_file, save_file
+
+from primus_v4.errors import ConfigError
+from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
+from primus_v4.models.deepseek_v4 import release as rel
+from primus_v4.models.deepseek_v4.release_config import FIELDS as RELEASE_FIELDS
+
+# DeepSeek-V4-Flash's config.json keys (DESIGN.md section 5; HF DeepseekV4Config defaults, which
+# are the Flash release: 256 experts top-6, hidden 4096, 43 layers, routed_scaling_factor 1.5,
+# index_topk 512; RoPE 10000 dense, 160000 + YaRN 16 compressed; 1 MTP slot, dense).
+FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0]
+FLASH_CONFIG = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "num_hidden_layers": 43,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "num_hash_layers": 3,
+    "swiglu_limit": 10.0,
+    "sliding_window": 128,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "compress_rope_theta": 160000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "num_nextn_predict_layers": 1,
+    "compress_ratios": FLASH_RATIOS,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "expert_dtype": "fp4",
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    "transformers_version": "4.57.1",
+}
+
+
+@pytest.fixture(scope="module")
+def flash() -> DeepseekV4Config:
+    return rel.config_from_release(FLASH_CONFIG)
+
+
+def test_flash_config_is_the_preset(flash) -> None:
+    preset = DeepseekV4Config.preset("deepseek_v4_flash")
+    for field in (*RELEASE_FIELDS.values(), "compress_ratios", "mtp_compress_ratio"):
+        assert getattr(flash, field) == getattr(preset, field), field
+    assert flash.rotary_scaling_factor == 16.0 and flash.compress_rope_theta == 160000.0
+
+
+def test_flash_release_names_map_one_to_one_onto_our_state(flash) -> None:
+    with torch.device("meta"):
+        model = DeepseekV4Model(flash)
+    state = model.state_dict()
+    table = rel.name_table(flash)
+    assert set(state) == set(table)  # every parameter and persistent buffer, nothing else
+    for name, t in state.items():
+        assert tuple(t.shape) == table[name].shape, name
+    names = rel.release_tensors(flash)
+    owners = [n for e in table.values() for n in e.release_names()]
+    assert len(owners) == len(set(owners)) == len(names)  # each release tensor has one owner
+    # 43 layers x 256 experts x 3 + the rest; MTP: one block + 10 own tensors.
+    assert sum(".experts." in n for n in names) == 44 * 256 * 3
+    assert sum(n.endswith(".tid2eid") for n in names) == 3
+    assert sum(n.endswith(".gate.bias") for n in names) == 44 - 3
+    assert sum(".indexer.wq_b." in n for n in names) == 21  # CSA layers only; no indexer wq_a
+    assert not any("indexer.wq_a" in n for n in names)
+
+
+def test_stored_kinds_and_scales_at_flash(flash) -> None:
+    stored = rel.stored_tensors(flash)
+    assert stored["layers.2.attn.wq_a.weight"] == ((1024, 4096), torch.float8_e4m3fn)
+    assert stored["layers.2.attn.wq_a.scale"] == ((8, 32), torch.float8_e8m0fnu)
+    assert stored["layers.2.attn.wo_a.weight"] == ((8192, 4096), torch.float8_e4m3fn)
+    assert stored["layers.5.ffn.experts.9.w2.weight"] == ((4096, 1024), torch.int8)
+    assert stored["layers.5.ffn.experts.9.w2.scale"] == ((4096, 64), torch.float8_e8m0fnu)
+    assert stored["layers.2.attn.indexer.wq_b.weight"] == ((8192, 1024), torch.float8_e4m3fn)
+    assert stored["layers.3.attn.compressor.ape"] == ((128, 512), torch.float32)
+    assert stored["layers.2.attn.compressor.wkv.weight"] == ((1024, 4096), torch.bfloat16)
+    assert stored["layers.0.ffn.gate.tid2eid"] == ((129280, 6), torch.int64)
+    assert stored["layers.9.ffn.gate.bias"] == ((256,), torch.float32)
+    assert stored["mtp.0.e_proj.weight"] == ((4096, 4096), torch.float8_e4m3fn)
+    assert stored["hc_head_fn"] == ((4, 16384), torch.float32)
+
+
+def _hf_names(config: dict) -> dict[str, tuple[int, ...]]:
+    transformers = pytest.importorskip("transformers", minversion="5.23")
+    with torch.device("meta"):
+        hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**config))
+    return {k.removeprefix("model."): tuple(v.shape) for k, v in hf.state_dict().items()}
+
+
+def _hf_rename(name: str, transforms: list) -> str:
+    for transform in transforms:
+        name, _ = transform.rename_source_key(name)
+    return name
+
+
+def test_release_names_are_what_hf_conversion_mapping_expects(flash) -> None:
+    """Our release names, renamed by HF's deepseek_v4 conversion mapping, are exactly HF's
+    parameters (experts merged); the MTP block is checked as an extra decoder layer."""
+    n = flash.num_layers
+    config = {**FLASH_CONFIG, "num_hidden_layers": n + 1, "num_nextn_predict_layers": 0}
+    config["compress_ratios"] = FLASH_RATIOS[: n + 1]
+    hf = _hf_names(config)
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    transforms = get_checkpoint_conversion_mapping("deepseek_v4")
+    own = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head_")
+    renamed: dict[str, list[rel.ReleaseTensor]] = {}
+    for name, t in rel.release_tensors(flash).items():
+        if name.startswith("mtp.0."):
+            if name.removeprefix("mtp.0.").startswith(own):
+                continue
+            name = f"layers.{n}." + name.removeprefix("mtp.0.")
+        renamed.setdefault(_hf_rename(name, transforms), []).append(t)
+    assert set(renamed) == set(hf)
+    for hf_name, parts in renamed.items():
+        if len(parts) == 1:
+            assert parts[0].shape == hf[hf_name], hf_name
+        else:  # experts merged: E x (w1, w3) -> [E, 2F, D]; E x w2 -> [E, D, F]
+            assert len(parts) in (256, 512) and hf[hf_name][0] == 256, hf_name
+
+
+def _tiny(geometry: str = "a", seed: int = 3):
+    config = release_config(geometry)
+    cfg = rel.config_from_release(config)
+    return cfg, random_release_tensors(config, seed)
+
+
+@pytest.mark.parametrize("geometry", ["a", "b"])
+def test_build_then_export_is_the_identity(geometry) -> None:
+    cfg, tensors = _tiny(geometry)
+    shapes = {e.ours: e.shape for e in rel.name_table(cfg).values()}
+    state = rel.build_state(cfg, shapes, tensors.__getitem__)
+    out = dict(rel.to_release(cfg, state))
+    assert out.keys() == tensors.keys()
+    assert all(torch.equal(out[k], tensors[k]) for k in tensors)
+
+
+def test_stage_and_expert_shard_subset_reads_only_its_tensors() -> None:
+    cfg, tensors = _tiny("a")
+    full = rel.build_state(
+        cfg, {e.ours: e.shape for e in rel.name_table(cfg).values()}, tensors.get
+    )
+    keep = [k for k in full if k.startswith("layers.2.")]  # one pipeline stage: layer 2
+    lo, hi = 2, 6  # this rank's experts
+    shapes = {
+        k: (hi - lo, *full[k].shape[1:]) if k.endswith(("w_gate_up", "w_down")) else full[k].shape
+        for k in keep
+    }
+    asked: list[str] = []
+    part = rel.build_state(
+        cfg, shapes, lambda n: asked.append(n) or tensors[n], expert_range=(lo, hi)
+    )
+    assert sorted(asked) == sorted(rel.needed(cfg, keep, expert_range=(lo, hi)))
+    assert all(n.startswith("layers.2.") for n in asked)
+    experts = {int(n.split(".")[4]) for n in asked if ".experts." in n}
+    assert experts == set(range(lo, hi))
+    for k in keep:
+        want = full[k][lo:hi] if k.endswith(("w_gate_up", "w_down")) else full[k]
+        assert torch.equal(part[k], want), k
+    filled = {k: torch.full(shapes[k], -7.0, dtype=part[k].dtype) for k in keep}
+    rel.fill_state(cfg, filled, tensors.__getitem__, expert_range=(lo, hi))  # in place
+    assert all(torch.equal(filled[k], part[k]) for k in keep)
+    back = dict(rel.to_release(cfg, part, expert_range=(lo, hi)))
+    assert sorted(back) == sorted(asked) and all(torch.equal(back[n], tensors[n]) for n in back)
+
+
+def test_build_state_names_both_shapes_on_a_mismatch() -> None:
+    cfg, tensors = _tiny("a")
+    shapes = {"layers.1.attn.wq_a.weight": (32, 64)}
+    bad = {**tensors, "layers.1.attn.wq_a.weight": torch.zeros(31, 64)}
+    with pytest.raises(ValueError, match=r"layers\.1\.attn\.wq_a\.weight.*\(31, 64\).*\(32, 64\)"):
+        rel.build_state(cfg, shapes, bad.__getitem__)
+
+
+def test_config_json_keys_are_strict() -> None:
+    config = release_config("a")
+    with pytest.raises(ConfigError, match="sparse_mode"):
+        rel.config_from_release({**config, "sparse_mode": 1})
+    with pytest.raises(ConfigError, match="mscale"):
+        rel.config_from_release({**config, "rope_scaling": {**config["rope_scaling"], "mscale": 1}})
+    with pytest.raises(ConfigError, match="scoring_func"):
+        rel.config_from_release({**config, "scoring_func": "softmax"})
+    no_mtp = rel.config_from_release({**config, "num_nextn_predict_layers": 0})
+    assert no_mtp.mtp_num_layers == 0 and no_mtp.compress_ratios == config["compress_ratios"][:-1]
+    with pytest.raises(ConfigError, match="compress_ratios has 3 entries"):
+        rel.config_from_release({**config, "compress_ratios": config["compress_ratios"][:3]})
+    cfg = rel.config_from_release({**config, "transformers_version": "9.9", "use_cache": False})
+    back = rel.config_to_release(cfg)
+    assert back["compress_ratios"] == config["compress_ratios"]
+    assert back["rope_scaling"]["factor"] == 16 and back["compress_rope_theta"] == 160000.0
+    assert (
+        rel.config_from_release(json.loads(json.dumps(back))).compress_ratios == cfg.compress_ratios
+    )
+
+
+def test_load_errors_name_unused_and_missing_tensors(tmp_path) -> None:
+    path, _, _ = make_checkpoint(tmp_path / "ok", "a", 0)
+    tensors = load_file(path / "model.safetensors")
+    extra = {**tensors, "layers.1.attn.wq_c.weight": torch.zeros(2, 2)}
+    extra.pop("layers.2.attn.compressor.ape")
+    save_file(extra, path / "model.safetensors")
+    with pytest.raises(ValueError) as err:
+        DeepseekV4Model.from_pretrained(path, progress=False)
+    msg = str(err.value)
+    assert "missing from the checkpoint: layers.2.attn.compressor.ape" in msg
+    assert "not used by the model: layers.1.attn.wq_c.weight [2, 2]" in msg
+    # A tensor on the documented ignore list is skipped.
+    tensors["mtp.0.head.weight"] = tensors["head.weight"].clone()
+    save_file(tensors, path / "model.safetensors")
+    model = DeepseekV4Model.from_pretrained(path, progress=False)
+    assert torch.equal(model.layers[0].moe.router.tid2eid, tensors["layers.0.ffn.gate.tid2eid"])
+    assert torch.equal(model.layers[1].moe.router.bias, tensors["layers.1.ffn.gate.bias"])

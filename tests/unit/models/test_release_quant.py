@@ -1,0 +1,174 @@
+"""FP8 e4m3 / FP4 e2m1 with ue8m0 scales: exact dequantization against an independent decoder
+written from the formats' bit layouts, and quantize -> dequantize within the stated bounds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from primus_v4.models.deepseek_v4.release_quant import (
+    dequantize_fp4,
+    dequantize_fp8,
+    fp4_error_bound,
+    fp8_error_bound,
+    quantize_fp4,
+    quantize_fp8,
+)
+
+
+def decode_e4m3(byte: int) -> float:
+    """float8_e4m3fn: sign 1, exponent 4 (bias 7), mantissa 3; S.1111.111 is NaN, no inf."""
+    sign = -1.0 if byte & 0x80 else 1.0
+    exp, man = (byte >> 3) & 0xF, byte & 0x7
+    if exp == 0xF and man == 0x7:
+        return math.nan
+    if exp == 0:
+        return sign * (man / 8) * 2.0**-6
+    return sign * (1 + man / 8) * 2.0 ** (exp - 7)
+
+
+def decode_e2m1(code: int) -> float:
+    """e2m1: sign 1, exponent 2 (bias 1), mantissa 1; exponent 0 is subnormal (0 or 0.5)."""
+    sign = -1.0 if code & 0x8 else 1.0
+    exp, man = (code >> 1) & 0x3, code & 0x1
+    if exp == 0:
+        return sign * man * 0.5
+    return sign * (1 + man / 2) * 2.0 ** (exp - 1)
+
+
+def decode_e8m0(byte: int) -> float:
+    return math.nan if byte == 255 else 2.0 ** (byte - 127)
+
+
+# scale bytes incl. both ends of e8m0 (2^-127 subnormal in float32, 2^127 overflows x448)
+EXTREME_SCALES = [0, 1, 2, 60, 100, 120, 127, 133, 150, 200, 253, 254]
+
+
+def reference_fp8(codes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+    """float64 [N, K] from e4m3 bytes [N, K] and e8m0 bytes [ceil(N/128), ceil(K/128)]."""
+    n, k = codes.shape
+    out = torch.empty(n, k, dtype=torch.float64)
+    table = torch.tensor([decode_e4m3(b) for b in range(256)], dtype=torch.float64)
+    for i in range(n):
+        row_scale = torch.tensor([decode_e8m0(int(b)) for b in scale_bytes[i // 128]])
+        out[i] = table[codes[i].long()] * row_scale.repeat_interleave(128)[:k]
+    return out
+
+
+def test_fp8_every_code_dequantizes_exactly_under_random_scales() -> None:
+    g = torch.Generator().manual_seed(0)
+    n, k = 256, 200  # K not a multiple of 128: the last column block is partial
+    codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    codes[0] = torch.arange(k, dtype=torch.uint8)  # codes 0..199, then 200..255: all 256 appear
+    codes[1, :56] = torch.arange(200, 256, dtype=torch.uint8)
+    choice = torch.randint(0, len(EXTREME_SCALES), (2, 2), generator=g)
+    scale_bytes = torch.tensor(EXTREME_SCALES, dtype=torch.uint8)[choice]
+    ref = reference_fp8(codes, scale_bytes)
+    weight = codes.view(torch.float8_e4m3fn)
+    for scale in (scale_bytes.view(torch.float8_e8m0fnu), scale_bytes):
+        for dtype in (torch.float32, torch.float64):
+            got = dequantize_fp8(weight, scale, dtype)
+            assert got.dtype == dtype
+            # exact: every e4m3 x 2^e product is a float64; its float32 rounding is unique
+            torch.testing.assert_close(got, ref.to(dtype), rtol=0, atol=0, equal_nan=True)
+
+
+def test_fp8_dequantizes_to_bf16_like_float32_then_rounded() -> None:
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 256, (128, 384), generator=g, dtype=torch.uint8)
+    scale_bytes = torch.randint(100, 150, (1, 3), generator=g, dtype=torch.uint8)
+    ref = reference_fp8(codes, scale_bytes)
+    got = dequantize_fp8(codes.view(torch.float8_e4m3fn), scale_bytes, torch.bfloat16)
+    torch.testing.assert_close(got, ref.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
+
+
+def test_fp4_every_code_and_nibble_order_dequantize_exactly() -> None:
+    g = torch.Generator().manual_seed(2)
+    n, k = 16, 64
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    codes[0, :16] = torch.arange(16, dtype=torch.uint8)  # all 16 codes, each at even and odd
+    codes[1, 1:17] = torch.arange(16, dtype=torch.uint8)
+    # element 2j is the LOW nibble of byte j (DeepSeek's convert.py / kernel.py unpacking)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
+    choice = torch.randint(0, len(EXTREME_SCALES), (n, k // 32), generator=g)
+    scale_bytes = torch.tensor(EXTREME_SCALES, dtype=torch.uint8)[choice]
+    values = torch.tensor([decode_e2m1(c) for c in range(16)], dtype=torch.float64)
+    scales = torch.tensor([[decode_e8m0(int(b)) for b in row] for row in scale_bytes])
+    ref = values[codes.long()] * scales.repeat_interleave(32, dim=1)
+    for weight in (packed, packed.view(torch.float4_e2m1fn_x2)):
+        for dtype in (torch.float32, torch.float64):
+            got = dequantize_fp4(weight, scale_bytes.view(torch.float8_e8m0fnu), dtype)
+            torch.testing.assert_close(got, ref.to(dtype), rtol=0, atol=0)
+
+
+def test_fp4_first_row_reads_the_e2m1_table_in_code_order() -> None:
+    codes = torch.arange(32, dtype=torch.uint8).remainder(16).view(1, 32)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
+    unit = torch.tensor([[127]], dtype=torch.uint8)  # scale 2^0
+    got = dequantize_fp4(packed, unit, torch.float32)[0, :16].tolist()
+    assert got == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0,
+                   -4.0, -6.0]  # fmt: skip
+
+
+def _mixed_magnitudes(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """Random weights whose magnitude varies by 2^+-20 across rows, with an all-zero row band."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) * torch.exp2(
+        torch.randint(-20, 20, (shape[0], 1), generator=g)
+    )
+    w[:3] = 0.0
+    return w
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 130)])
+def test_fp8_quantization_error_within_bound(shape: tuple[int, int]) -> None:
+    w = _mixed_magnitudes(shape, seed=3)
+    q, scale = quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu
+    assert scale.shape == (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
+    back = dequantize_fp8(q, scale, torch.float32)
+    assert bool(((back - w).abs() <= fp8_error_bound(w)).all())
+    assert torch.equal(back[:3], torch.zeros_like(back[:3]))
+    # ue8m0 rounds the scale UP to a power of two: each block's max lands in (224, 448]
+    blocks = torch.nn.functional.pad(q.float().abs(), (0, -shape[1] % 128, 0, -shape[0] % 128))
+    amax = blocks.view(scale.shape[0], 128, scale.shape[1], 128).amax(dim=(1, 3))
+    nonzero = amax > 0
+    assert bool(((amax[nonzero] > 224) & (amax[nonzero] <= 448)).all())
+    # values already on the grid survive a second round trip unchanged (idempotent projection)
+    assert torch.equal(dequantize_fp8(*quantize_fp8(back), torch.float32), back)
+
+
+def test_fp4_quantization_error_within_bound_and_idempotent() -> None:
+    w = _mixed_magnitudes((64, 256), seed=4)
+    q, scale = quantize_fp4(w)
+    assert q.dtype == torch.int8 and q.shape == (64, 128) and scale.shape == (64, 8)
+    back = dequantize_fp4(q, scale, torch.float32)
+    assert bool(((back - w).abs() <= fp4_error_bound(w)).all())
+    # typical error is far below the worst case: MXFP4 on Gaussian 32-blocks gives ~11% relative
+    # RMS error (power-of-two scales up to 2x coarse); a wrong grid or nibble order gives > 50%
+    rows = slice(3, None)
+    rel = (back[rows] - w[rows]).norm() / w[rows].norm()
+    assert rel < 0.15, rel
+    # on-grid values survive a second round trip (a block whose max rounded down to 3 x scale
+    # gets half the scale, where the same values are representable)
+    assert torch.equal(dequantize_fp4(*quantize_fp4(back), torch.float32), back)
+
+
+def test_fp4_rounds_to_nearest_with_ties_to_even_code() -> None:
+    # one block with amax 6 (scale 2^0): ties 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 2.5 -> 2, 5 -> 4
+    x = torch.tensor([[6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.3, -0.74, -5.1] + [0.0] * 21])
+    back = dequantize_fp4(*quantize_fp4(x), torch.float32)[0, :11].tolist()
+    assert back == [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.5, -0.5, -6.0]
+
+
+def test_quantizers_name_bad_shapes() -> None:
+    with pytest.raises(ValueError, match=r"multiple of 32, got \[4, 40\]"):
+        quantize_fp4(torch.zeros(4, 40))
+    with pytest.raises(ValueError, match=r"block scale of shape \[1, 2\]"):
+        dequantize_fp8(
+            torch.zeros(4, 130).to(torch.float8_e4m3fn), torch.zeros(1, 1), torch.float32
+        )
+    with pytest.raises(ValueError, match=r"scale of shape \[4, 2\]"):
+        dequantize_fp4(torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4, 1), torch.float32)
