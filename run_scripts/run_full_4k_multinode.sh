@@ -37,7 +37,7 @@ PRIMUS_ETP="${PRIMUS_ETP:-1}"
 PRIMUS_PP_LAYOUT="${PRIMUS_PP_LAYOUT:-}" # e.g. Et*14|t*14|t*15mL; empty = even split
 
 # --- model, batch, optimizer -----------------------------------------------------------------
-PRIMUS_CONFIG="${PRIMUS_CONFIG:-${PRIMUS_REPO_ROOT}/configs/runs/deepseek_v4_flash_sft.yaml}"
+PRIMUS_CONFIG="${PRIMUS_CONFIG:-${PRIMUS_REPO_ROOT}/primus_v4/configs/runs/deepseek_v4_flash_sft.yaml}"
 PRIMUS_MODEL_PRESET="${PRIMUS_MODEL_PRESET:-deepseek_v4_flash}"
 PRIMUS_NUM_LAYERS="${PRIMUS_NUM_LAYERS:-}"         # empty = the preset's
 PRIMUS_COMPRESS_RATIOS="${PRIMUS_COMPRESS_RATIOS:-}" # YAML list, e.g. [0,4,128]; empty = preset's

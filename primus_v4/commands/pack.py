@@ -38,18 +38,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the draws for fractional source weights"
     )
-    parser.add_argument("--seq-length", type=int, required=True, help="tokens per pack")
+    parser.add_argument(
+        "--seq-length", type=int, required=True, help="tokens per pack (the training row length)"
+    )
     parser.add_argument(
         "--cache-dir",
         default=None,
         help="node-local cache dir (default $PRIMUS_PACK_CACHE_DIR or $TMPDIR/primus_v4-UID/packs)",
     )
-    parser.add_argument("--algorithm", default="ffd", choices=("ffd", "bfd"))
-    parser.add_argument("--overlong", default="truncate", choices=("truncate", "drop"))
+    parser.add_argument(
+        "--algorithm",
+        default="ffd",
+        choices=("ffd", "bfd"),
+        help="packer: first-fit-decreasing (default) or best-fit-decreasing; both deterministic",
+    )
+    parser.add_argument(
+        "--overlong",
+        default="truncate",
+        choices=("truncate", "drop"),
+        help="samples longer than --seq-length: cut them (default) or leave them out",
+    )
     parser.add_argument(
         "--tokenizer", default=None, help="dir with tokenizer.json (default: DeepSeek-V4's)"
     )
-    parser.add_argument("--stats-json", type=Path, default=None, help="write the stats here")
+    parser.add_argument(
+        "--stats-json", type=Path, default=None, help="also write the statistics to this JSON file"
+    )
     parser.add_argument(
         "--export-jsonl", type=Path, default=None, help="write one pack per line (integer lists)"
     )

@@ -51,6 +51,12 @@ class DataConfig:
     """Node-local directory for the build lock (default when None)."""
     lock_timeout_s: float = 600.0
     """How long a rank waits for another rank on its node to build the cache."""
+    eval_path: str | None = None
+    """Evaluation corpus (same formats and sources as `path`), packed like the training data;
+    None = no separate evaluation corpus."""
+    eval_fraction: float = 0.0
+    """Fraction of `path`'s rows held out for evaluation before packing (a fixed, seed-independent
+    choice; never trained on); 0 = none. Exclusive with eval_path."""
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "data.path", "must not be empty")
@@ -62,6 +68,16 @@ class DataConfig:
                 parse_sources(self.path)
             except DataError as exc:
                 raise ConfigError(f"data.path: {exc}") from None
+        _require(
+            0.0 <= self.eval_fraction < 1.0,
+            "data.eval_fraction",
+            f"must be in [0, 1), got {self.eval_fraction}",
+        )
+        _require(
+            not (self.eval_path and self.eval_fraction > 0),
+            "data.eval_fraction",
+            "set either data.eval_path or data.eval_fraction, not both",
+        )
         _require(self.seq_length >= 8, "data.seq_length", f"must be >= 8, got {self.seq_length}")
         _require(self.lock_timeout_s > 0, "data.lock_timeout_s", "must be > 0")
 
@@ -71,7 +87,8 @@ class ModelConfig:
     """Which DeepSeek-V4 to build."""
 
     preset: str = "tiny"
-    """A preset file configs/models/<preset>.yaml (DeepseekV4Config fields)."""
+    """A shipped preset (`primus-v4 inspect presets`; primus_v4/configs/models/<preset>.yaml,
+    DeepseekV4Config fields)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """DeepseekV4Config fields that win over the preset, e.g. {num_layers: 2}."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -181,6 +198,9 @@ class TrainConfig:
     """Non-finite loss or gradient: stop with an error naming the step, or skip the step."""
     shuffle: bool = True
     """Shuffle pack order each epoch (seeded); False keeps the packer's order."""
+    eval_interval: int = 0
+    """Evaluate every this many steps (and always after the last step) when data.eval_path or
+    data.eval_fraction is set; 0 = only after the last step."""
 
     def __post_init__(self) -> None:
         _require(
@@ -212,6 +232,7 @@ class TrainConfig:
         _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
         _require(self.clip_grad >= 0, "train.clip_grad", "must be >= 0 (0 disables clipping)")
+        _require(self.eval_interval >= 0, "train.eval_interval", "must be >= 0 (0 = at the end)")
 
 
 @dataclass(kw_only=True)
@@ -223,7 +244,10 @@ class OutputConfig:
     progress_bar: bool = True
     """tqdm bar on rank 0 (stderr)."""
     plot: bool = True
-    """Write loss.png (loss and grad norm vs step) at the end."""
+    """Write loss.png (loss, eval loss, grad norm and lr vs step) at the end."""
+    tensorboard: bool = False
+    """Also write the metrics.jsonl scalars as TensorBoard events under <dir>/tensorboard (needs
+    the `tensorboard` extra: pip install 'primus_v4[tensorboard]')."""
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "output.dir", "must not be empty")
@@ -238,10 +262,16 @@ class CheckpointConfig:
     interval: int = 0
     """Save every this many steps (and at the end); 0 = only at the end."""
     resume: bool = True
-    """Resume from the latest complete checkpoint in dir when there is one."""
+    """Resume from the newest intact checkpoint in dir when there is one (a damaged newer one is
+    reported by file and skipped). The model and world size must match the saved run; a changed
+    schedule (steps, lr, min_lr, warmup) is allowed and applies from the resumed step."""
+    keep_last: int = 3
+    """Keep the newest this many complete checkpoints; older ones are deleted once a newer one is
+    published. 0 keeps all."""
 
     def __post_init__(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval", "must be >= 0 (0 = only at the end)")
+        _require(self.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0 keeps all)")
 
 
 SECTIONS: dict[str, type] = {

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from primus_v4.data import cache
+from primus_v4.data import cache, holdout
 from primus_v4.data.corpus import CorpusSource, read_rows, resolve_source
 from primus_v4.data.loader import PackedCorpus
 from primus_v4.data.mixing import SourceSpec, integral, parse_sources, weighted_samples
@@ -73,6 +73,8 @@ class PackSpec:
     strict: bool = False  # bad rows raise DataError (file + line), on a cache hit too
     cache_dir: str | Path | None = None  # None = $PRIMUS_PACK_CACHE_DIR or node-local tmp
     lock_dir: str | Path | None = None  # None = $PRIMUS_PACK_LOCK_DIR or node-local tmp
+    holdout_fraction: float = 0.0  # rows held out for evaluation before packing (holdout.py)
+    split: str = "all"  # all | train (rows not held out) | eval (the held-out rows)
     lock_timeout_s: float = 600.0  # max wait for another builder; keep below collective timeout
 
     def __post_init__(self) -> None:
@@ -84,11 +86,14 @@ class PackSpec:
             ("chat_mode", self.chat_mode, CHAT_MODES),
             ("algorithm", self.algorithm, ALGORITHMS),
             ("overlong", self.overlong, OVERLONG),
+            ("split", self.split, holdout.SPLITS),
         ):
             if value not in allowed:
                 raise DataError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.lock_timeout_s <= 0:
             raise DataError(f"lock_timeout_s must be > 0, got {self.lock_timeout_s}")
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise DataError(f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
 
     def sources(self) -> tuple[SourceSpec, ...]:
         return parse_sources(self.data)
@@ -134,10 +139,26 @@ def key_fields(spec: PackSpec, sources: Resolved, tokenizer_dir: Path) -> dict[s
         "segment_cap": segment_cap(spec.seq_length),
         "overlong": spec.overlong,
         "align": 1,  # samples start at any token; kept so a future alignment option cannot alias
+        # Only a real split enters the key, so the keys of unsplit corpora stay as they were.
+        **({"split": f"{spec.split}:{spec.holdout_fraction}"} if _is_split(spec) else {}),
     }
     if not integral([s for s, _ in sources]):
         fields["mix_seed"] = spec.seed
     return fields
+
+
+def _is_split(spec: PackSpec) -> bool:
+    return spec.split != "all" and spec.holdout_fraction > 0
+
+
+def _split_rows(spec: PackSpec, source: CorpusSource) -> list:
+    """The source's rows of the spec's split (evaluation rows are held out per source)."""
+    rows = read_rows(source)
+    if not _is_split(spec):
+        return rows
+    return holdout.select(
+        rows, fraction=spec.holdout_fraction, split=spec.split, where=source.describe()
+    )
 
 
 def pack_key(spec: PackSpec) -> str:
@@ -199,7 +220,7 @@ def _render_sources(
     info, tokens_before, rows_before = [], 0, 0
     for k, (s, src) in enumerate(sources):
         r = render(
-            read_rows(src),
+            _split_rows(spec, src),
             tokenizer,
             fmt=s.format or spec.format,
             where=src.describe(),

@@ -16,6 +16,7 @@ Where the parallel pieces plug in (identities in one process):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -42,6 +43,8 @@ from primus_v4.training.metrics import (
     plot_loss,
     summarize,
 )
+from primus_v4.training.metrics_history import keep_rows_through, read_history
+from primus_v4.training.preemption import stop_on_signals
 from primus_v4.training.runtime import Runtime, init_runtime
 
 log = get_logger(__name__)
@@ -114,6 +117,11 @@ class TrainResult:
     output_dir: Path
     skipped_steps: int = 0
     artifacts: dict[str, Path] = field(default_factory=dict)
+    stopped_at: int | None = None
+    """The step after which a preemption signal stopped the run (None: it ran to the end)."""
+    stop_signal: str | None = None
+    saved: Path | None = None
+    """The checkpoint written when the run stopped early (None without checkpoint.dir)."""
 
 
 class NonFiniteError(PrimusError):
@@ -130,6 +138,7 @@ class Trainer:
         runtime: Runtime | None = None,
         corpus: Corpus | None = None,
         model: nn.Module | None = None,
+        eval_corpus: Corpus | None = None,
     ) -> None:
         self.run = run
         self.cfg = run.cfg
@@ -152,7 +161,22 @@ class Trainer:
         self.mtp_scale = float(run.model.mtp_loss_scaling_factor or 0.0)
         self.start_step = 0
         self.skipped_steps = 0
+        self.stopped: tuple[int, str, Path | None] | None = None
         self.checkpoints = self._checkpoints()
+        self.evaluator = self._evaluator(eval_corpus)
+
+    def _evaluator(self, corpus: Corpus | None) -> Any:
+        """Held-out loss (primus_v4.training.evaluation); None without evaluation data."""
+        if corpus is None and self.run.eval_data is None:
+            return None
+        from primus_v4.data.pipeline import build_or_load
+        from primus_v4.training.evaluation import Evaluator
+
+        corpus = corpus if corpus is not None else build_or_load(self.run.eval_data)
+        t = self.cfg.train
+        return Evaluator(
+            corpus, layout=self.cfg.data.layout, interval=t.eval_interval, total_steps=t.steps
+        )
 
     def _total_steps(self) -> int:
         """train.steps, or the steps that train.epochs passes over this corpus take (logged)."""
@@ -284,13 +308,12 @@ class Trainer:
         )
 
     def _checkpoints(self) -> Any:
-        """Interval saves and resume (None when checkpoint.dir is unset)."""
-        ck = self.cfg.checkpoint
-        if ck.dir is None:
+        """Interval saves, keep_last and resume rules (None when checkpoint.dir is unset)."""
+        if self.cfg.checkpoint.dir is None:
             return None
-        from primus_v4.training.checkpoint import CheckpointManager
+        from primus_v4.training.run_checkpoints import RunCheckpoints
 
-        return CheckpointManager(ck.dir, interval=ck.interval, resume=ck.resume)
+        return RunCheckpoints(self.cfg, world=self.run.sizes.world)
 
     def _state(self) -> dict[str, Any]:
         # The data position is the step itself: BatchSource is a pure function of (seed, step).
@@ -303,8 +326,15 @@ class Trainer:
             write_resolved(self.cfg, out_dir)
         if self.checkpoints is not None:
             self.start_step = self.checkpoints.load_latest(**self._state()) or 0
+        if main and self.start_step > 0:  # rows after the resumed step are redone: drop them
+            keep_rows_through(out_dir / "metrics.jsonl", self.start_step)
+        tensorboard = out_dir / "tensorboard" if self.cfg.output.tensorboard else None
         writer = (
-            MetricsWriter(out_dir / "metrics.jsonl", append=self.start_step > 0) if main else None
+            MetricsWriter(
+                out_dir / "metrics.jsonl", append=self.start_step > 0, tensorboard_dir=tensorboard
+            )
+            if main
+            else None
         )
         rows: list[StepMetrics] = []
         try:
@@ -323,9 +353,11 @@ class Trainer:
             total=steps, initial=self.start_step, disable=not show, unit="step", dynamic_ncols=True
         )
         self.model.train()
-        with bar, _logging_around(bar):
+        with bar, _logging_around(bar), stop_on_signals(self.runtime.device) as stop:
             for step in range(self.start_step, steps):
                 metrics = self.train_step(step)
+                if self.evaluator is not None and self.evaluator.due(step + 1):
+                    metrics = dataclasses.replace(metrics, **self.evaluator.run(self))
                 rows.append(metrics)
                 if writer is not None:
                     writer.write(metrics)
@@ -336,6 +368,18 @@ class Trainer:
                     self._on_non_finite(metrics)
                 if self.checkpoints is not None:
                     self.checkpoints.maybe_save(step + 1, final=step + 1 == steps, **self._state())
+                if step + 1 < steps and stop.agreed():
+                    self._stop_early(step + 1, stop.signal_name or "a signal")
+                    break
+
+    def _stop_early(self, step: int, signal_name: str) -> None:
+        """Preemption: save now (when checkpoints are on) so a rerun resumes from `step`."""
+        saved = None
+        if self.checkpoints is not None:
+            saved = self.checkpoints.maybe_save(step, final=True, **self._state())
+            saved = saved or self.checkpoints.root / f"step_{step:08d}"  # saved by this step
+        self.stopped = (step, signal_name, saved)
+        log.warning("stopped after step %d on %s", step, signal_name)
 
     def _on_non_finite(self, metrics: StepMetrics) -> None:
         if self.cfg.train.nan_policy == "skip":
@@ -353,14 +397,18 @@ class Trainer:
         )
 
     def _finish(self, rows: list[StepMetrics], out_dir: Path) -> TrainResult:
-        summary = summarize(rows, skipped=self.skipped_steps)
+        # The summary and plot cover the whole run, resumed parts included (metrics.jsonl).
+        history = read_history(out_dir / "metrics.jsonl") if self.runtime.is_main else rows
+        summary = summarize(history, skipped=self.skipped_steps)
         result = TrainResult(rows, summary, out_dir, skipped_steps=self.skipped_steps)
+        if self.stopped is not None:
+            result.stopped_at, result.stop_signal, result.saved = self.stopped
         if self.runtime.is_main:
             result.artifacts["metrics"] = out_dir / "metrics.jsonl"
             result.artifacts["config"] = out_dir / "config.yaml"
-            if self.cfg.output.plot and rows:
-                result.artifacts["plot"] = plot_loss(rows, out_dir / "loss.png")
-            k = loss_window(len(rows))
+            if self.cfg.output.plot and history:
+                result.artifacts["plot"] = plot_loss(history, out_dir / "loss.png")
+            k = loss_window(len(history))
             log.info(
                 "done: %d steps, loss first-%d %.4f -> last-%d %.4f, %.1f s",
                 summary["steps"],
