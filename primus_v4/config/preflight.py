@@ -60,6 +60,7 @@ def path_problems(cfg: RunConfig) -> list[str]:
     """One line per problem: unwritable output/checkpoint/cache/lock dirs, a missing corpus file
     or tokenizer. Reads no data and imports no torch."""
     from primus_v4.data.corpus import resolve_source
+    from primus_v4.data.mixing import parse_sources
     from primus_v4.data.tokenizer import resolve_tokenizer_dir
 
     problems = []
@@ -71,7 +72,8 @@ def path_problems(cfg: RunConfig) -> list[str]:
     corpora += [(key, value) for key, value in _eval_corpora(cfg)]
     for key, value in corpora:
         try:
-            resolve_source(value)
+            for source in parse_sources(value):  # one path, or a list of sources
+                resolve_source(source.path, split=source.split, subset=source.subset)
         except DataError as exc:
             problems.append(f"{key}: {exc}")
     try:

@@ -179,9 +179,11 @@ class Trainer:
         from primus_v4.training.evaluation import Evaluator
 
         corpus = corpus if corpus is not None else build_or_load(self.run.eval_data)
-        t = self.cfg.train
         return Evaluator(
-            corpus, layout=self.cfg.data.layout, interval=t.eval_interval, total_steps=t.steps
+            corpus,
+            layout=self.cfg.data.layout,
+            interval=self.cfg.train.eval_interval,
+            total_steps=self.total_steps,
         )
 
     def _total_steps(self) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_fakes import RAGGED_PACKS, FakeCorpus, FakeLM, fake_trainer
+from train_fakes import RAGGED_PACKS, FakeCorpus, FakeLM, fake_trainer, tiny_run
 
 from primus_v4.config import load_config
 from primus_v4.errors import ConfigError
@@ -115,6 +115,12 @@ def test_epochs_set_the_number_of_steps(tmp_path: Path) -> None:
     trainer = fake_trainer(tmp_path, *overrides, "train.warmup_steps=1")  # 4 packs
     assert trainer.total_steps == 3  # ceil(1.5 x 4 / 2)
     assert [r.step for r in trainer.train().rows] == [1, 2, 3]
+    held_out = FakeCorpus([[120, 60]])  # the final evaluation follows the derived step count
+    run = tiny_run(tmp_path / "eval", *overrides, "train.warmup_steps=1")
+    with_eval = Trainer(
+        run, corpus=FakeCorpus(RAGGED_PACKS[:4]), model=FakeLM(), eval_corpus=held_out
+    )
+    assert with_eval.evaluator.total_steps == 3
     with pytest.raises(ConfigError, match=r"exactly one of train\.steps and train\.epochs"):
         fake_trainer(tmp_path, "train.epochs=2")  # steps still 30 from the config
     with pytest.raises(ConfigError, match=r"warmup_steps=3 exceeds the 2 steps of train\.epochs=1"):
