@@ -7,6 +7,7 @@ Layout (megatron-core, tp = etp = 1):
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -115,6 +116,8 @@ def pack_spec(cfg: RunConfig, *, split: str | None = None) -> PackSpec:
             holdout_fraction=holdout,
             split=split,
             format=d.format,
+            chat_mode=d.chat_mode,
+            seed=cfg.train.seed,
             seq_length=d.seq_length,
             algorithm=d.algorithm,
             overlong=d.overlong,
@@ -126,6 +129,21 @@ def pack_spec(cfg: RunConfig, *, split: str | None = None) -> PackSpec:
         )
     except DataError as exc:
         raise ConfigError(f"data: {exc}") from None
+
+
+def train_steps(cfg: RunConfig, rows_per_epoch: int) -> int:
+    """`train.steps`, or the steps `train.epochs` passes over `rows_per_epoch` rows take."""
+    t = cfg.train
+    if t.steps is not None:
+        return t.steps
+    assert t.epochs is not None  # the schema requires exactly one of the two
+    steps = max(1, math.ceil(t.epochs * rows_per_epoch / t.global_batch_size))
+    if t.warmup_steps > steps:
+        raise ConfigError(
+            f"train.warmup_steps={t.warmup_steps} exceeds the {steps} steps of train.epochs="
+            f"{t.epochs:g} ({rows_per_epoch} rows per epoch, global batch {t.global_batch_size})"
+        )
+    return steps
 
 
 def check_model_fits(cfg: RunConfig, model: DeepseekV4Config) -> None:

@@ -23,10 +23,16 @@ def _require(ok: bool, key: str, message: str) -> None:
 class DataConfig:
     """Where the corpus is and how it becomes rows."""
 
-    path: str = "synthetic"
-    """Corpus: a local json/jsonl/parquet file or directory, a hub name, or `synthetic`."""
+    path: str | list[Any] = "synthetic"
+    """Corpus: a local json/jsonl/parquet file or a directory of them, a hub name[@revision],
+    `synthetic`, or a list of sources `{path, format?, weight?, split?, subset?}` mixed by
+    weight (a sampling ratio: 3 repeats each row 3 times, 0.5 keeps a seeded half)."""
     format: str = "auto"
-    """Row format: `alpaca`, `messages` (chat), or `auto` (detected from the first rows)."""
+    """Row shape: `messages`, `sharegpt`, `alpaca`, `prompt_completion`, or `auto` (detected
+    per source from its first rows; the choice is logged)."""
+    chat_mode: Literal["chat", "thinking", "auto"] = "auto"
+    """DeepSeek-V4 rendering: `chat` (answers open with `</think>`), `thinking` (`<think>`,
+    reasoning rendered), `auto` (thinking for a row with any reasoning_content, else chat)."""
     seq_length: int = 512
     """Tokens per row (pack). Micro-batch rows are always exactly this long."""
     layout: Literal["thd", "bshd"] = "thd"
@@ -54,6 +60,14 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "data.path", "must not be empty")
+        if isinstance(self.path, list):
+            from primus_v4.data.mixing import parse_sources
+            from primus_v4.errors import DataError
+
+            try:
+                parse_sources(self.path)
+            except DataError as exc:
+                raise ConfigError(f"data.path: {exc}") from None
         _require(
             0.0 <= self.eval_fraction < 1.0,
             "data.eval_fraction",
@@ -159,8 +173,11 @@ class OptimConfig:
 class TrainConfig:
     """Steps, batch and learning-rate schedule."""
 
-    steps: int = 30
-    """Optimizer steps to run."""
+    steps: int | None = 30
+    """Optimizer steps to run; null when `epochs` sets the length instead."""
+    epochs: float | None = None
+    """Passes over the packed corpus instead of `steps` (exactly one of the two is set): steps =
+    ceil(epochs x rows per epoch / global_batch_size), rows = packs (thd) or samples (bshd)."""
     seed: int = 1234
     """Seeds model init and data order: two runs with the same seed log the same numbers."""
     global_batch_size: int = 2
@@ -186,7 +203,16 @@ class TrainConfig:
     data.eval_fraction is set; 0 = only after the last step."""
 
     def __post_init__(self) -> None:
-        _require(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
+        _require(
+            (self.steps is None) != (self.epochs is None),
+            "train.steps",
+            f"set exactly one of train.steps and train.epochs (got steps={self.steps}, "
+            f"epochs={self.epochs}); e.g. --set train.steps=null --set train.epochs=2",
+        )
+        if self.steps is not None:
+            _require(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
+        if self.epochs is not None:
+            _require(self.epochs > 0, "train.epochs", f"must be > 0, got {self.epochs}")
         _require(
             self.global_batch_size >= 1,
             "train.global_batch_size",
@@ -280,7 +306,7 @@ class RunConfig:
                 "already holds many samples; raise train.global_batch_size to accumulate more",
             )
         _require(
-            self.train.warmup_steps <= self.train.steps,
+            self.train.steps is None or self.train.warmup_steps <= self.train.steps,
             "train.warmup_steps",
             f"{self.train.warmup_steps} exceeds train.steps={self.train.steps}",
         )

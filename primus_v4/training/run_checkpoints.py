@@ -26,7 +26,7 @@ log = get_logger(__name__)
 CONFIG_FILE = "config.yaml"
 # Keys whose change makes the saved weights and optimizer state meaningless for this run.
 MUST_MATCH = ("model.preset", "model.overrides", "model.dtype")
-SCHEDULE = ("train.steps", "train.lr", "train.min_lr", "train.warmup_steps")
+SCHEDULE = ("train.steps", "train.epochs", "train.lr", "train.min_lr", "train.warmup_steps")
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

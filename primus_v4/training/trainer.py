@@ -72,7 +72,9 @@ def build_model(run: ResolvedRun) -> nn.Module:
     return model.to(dtype=dtype)
 
 
-def build_optimizer(run: ResolvedRun, model: nn.Module) -> tuple[Any, Any]:
+def build_optimizer(
+    run: ResolvedRun, model: nn.Module, total_steps: int | None = None
+) -> tuple[Any, Any]:
     """AdamW with linear warmup then cosine decay to min_lr (primus_v4.training.optim)."""
     from primus_v4.training.optim import build_optimizer as build
 
@@ -82,7 +84,7 @@ def build_optimizer(run: ResolvedRun, model: nn.Module) -> tuple[Any, Any]:
         lr=t.lr,
         min_lr=t.min_lr,
         warmup_steps=t.warmup_steps,
-        total_steps=t.steps,
+        total_steps=total_steps or t.steps,
         weight_decay=t.weight_decay,
         betas=(o.beta1, o.beta2),
         eps=o.eps,
@@ -149,10 +151,11 @@ class Trainer:
             seed=self.cfg.train.seed,
             shuffle=self.cfg.train.shuffle,
         )
+        self.total_steps = self._total_steps()
         model = model if model is not None else build_model(run)
         self.model = self._parallelize(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = build_optimizer(run, self.model)
+        self.optimizer, self.scheduler = build_optimizer(run, self.model, self.total_steps)
         self.mtp_depths = int(run.model.mtp_num_layers or 0)
         self.cp = self._context_parallel()
         self.mtp_scale = float(run.model.mtp_loss_scaling_factor or 0.0)
@@ -170,10 +173,27 @@ class Trainer:
         from primus_v4.training.evaluation import Evaluator
 
         corpus = corpus if corpus is not None else build_or_load(self.run.eval_data)
-        t = self.cfg.train
         return Evaluator(
-            corpus, layout=self.cfg.data.layout, interval=t.eval_interval, total_steps=t.steps
+            corpus,
+            layout=self.cfg.data.layout,
+            interval=self.cfg.train.eval_interval,
+            total_steps=self.total_steps,
         )
+
+    def _total_steps(self) -> int:
+        """train.steps, or the steps that train.epochs passes over this corpus take (logged)."""
+        from primus_v4.config.resolve import train_steps
+
+        steps = train_steps(self.cfg, self.source.rows_per_epoch)
+        if self.cfg.train.epochs is not None:
+            log.info(
+                "train.epochs=%g: %d steps (%d rows per epoch, global batch %d)",
+                self.cfg.train.epochs,
+                steps,
+                self.source.rows_per_epoch,
+                self.cfg.train.global_batch_size,
+            )
+        return steps
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         """This rank's pipeline stage with its expert shards (one process: unchanged)."""
@@ -329,7 +349,7 @@ class Trainer:
     def _loop(self, rows: list[StepMetrics], writer: MetricsWriter | None) -> None:
         from tqdm import tqdm
 
-        steps = self.cfg.train.steps
+        steps = self.total_steps
         show = self.runtime.is_main and self.cfg.output.progress_bar
         bar = tqdm(
             total=steps, initial=self.start_step, disable=not show, unit="step", dynamic_ncols=True

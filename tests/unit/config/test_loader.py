@@ -67,7 +67,9 @@ def test_wrong_type_names_key_and_location(tmp_path: Path) -> None:
         load_config(_write(tmp_path, "train:\n  steps: many\n"))
     with pytest.raises(ConfigError, match=r"data.layout: must be one of \['thd', 'bshd'\]"):
         load_config(overrides=["data.layout=padded"])
-    with pytest.raises(ConfigError, match=r"train.steps: expected int, got bool"):
+    with pytest.raises(ConfigError, match=r"train.global_batch_size: expected int, got bool"):
+        load_config(overrides=["train.global_batch_size=true"])
+    with pytest.raises(ConfigError, match=r"train.steps: expected int \| None, got True"):
         load_config(overrides=["train.steps=true"])
 
 
