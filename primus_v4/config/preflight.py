@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from primus_v4.config.schema import RunConfig
 from primus_v4.errors import ConfigError, DataError
@@ -68,7 +69,7 @@ def path_problems(cfg: RunConfig) -> list[str]:
         problem = writable_problem(path)
         if problem is not None:
             problems.append(f"{key}: {problem}; choose a directory you can write to")
-    corpora = [("data.path", cfg.data.path)]
+    corpora: list[tuple[str, Any]] = [("data.path", cfg.data.path)]
     corpora += [(key, value) for key, value in _eval_corpora(cfg)]
     for key, value in corpora:
         try:
@@ -88,7 +89,7 @@ def path_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def _eval_corpora(cfg: RunConfig) -> list[tuple[str, str]]:
+def _eval_corpora(cfg: RunConfig) -> list[tuple[str, Any]]:
     return [("data.eval_path", cfg.data.eval_path)] if cfg.data.eval_path else []
 
 

@@ -151,16 +151,6 @@ def _is_split(spec: PackSpec) -> bool:
     return spec.split != "all" and spec.holdout_fraction > 0
 
 
-def _split_rows(spec: PackSpec, source: CorpusSource) -> list:
-    """The source's rows of the spec's split (evaluation rows are held out per source)."""
-    rows = read_rows(source)
-    if not _is_split(spec):
-        return rows
-    return holdout.select(
-        rows, fraction=spec.holdout_fraction, split=spec.split, where=source.describe()
-    )
-
-
 def pack_key(spec: PackSpec) -> str:
     return cache.cache_key(
         key_fields(spec, resolve_sources(spec), resolve_tokenizer_dir(spec.tokenizer))
@@ -219,8 +209,12 @@ def _render_sources(
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("tok", "sup", "st", "len", "row", "src")}
     info, tokens_before, rows_before = [], 0, 0
     for k, (s, src) in enumerate(sources):
+        rows = read_rows(src)
+        if _is_split(spec):  # held out before weighting and packing: eval rows never train
+            fraction, where = spec.holdout_fraction, src.describe()
+            rows = holdout.select(rows, fraction=fraction, split=spec.split, where=where)
         r = render(
-            _split_rows(spec, src),
+            rows,
             tokenizer,
             fmt=s.format or spec.format,
             where=src.describe(),

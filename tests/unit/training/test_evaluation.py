@@ -73,3 +73,26 @@ def test_eval_at_interval_and_end_is_the_corpus_token_mean(tmp_path: Path) -> No
     assert "eval loss" in last.log_line(5)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["eval_loss"] is not None for r in rows] == [False, True, False, True, True]
+
+
+def test_held_out_rows_are_packed_apart_from_the_training_rows(tmp_path: Path) -> None:
+    from primus_v4.config.resolve import pack_spec
+    from primus_v4.data.pipeline import build_or_load
+
+    base = [
+        "data.path=synthetic:rows=60",
+        "data.seq_length=512",
+        f"data.cache_dir={tmp_path / 'packs'}",
+        f"data.lock_dir={tmp_path / 'locks'}",
+    ]
+    cfg = load_config(overrides=[*base, "data.eval_fraction=0.2"])
+    train = build_or_load(pack_spec(cfg), progress=False)
+    held = build_or_load(pack_spec(cfg, split="eval"), progress=False)
+    whole = build_or_load(pack_spec(load_config(overrides=base)), progress=False)
+    assert len({train.stats["cache_key"], held.stats["cache_key"], whole.stats["cache_key"]}) == 3
+    expected = int(holdout.held_out(60, 0.2).sum())
+    assert held.num_samples == expected and train.num_samples == 60 - expected
+    assert (
+        train.stats["supervised_tokens"] + held.stats["supervised_tokens"]
+        == (whole.stats["supervised_tokens"])
+    )
