@@ -38,12 +38,15 @@ RUN if [ "${BUILD_PRIMUS_TURBO}" = "1" ]; then \
 WORKDIR /workspace/primus_v4
 COPY . .
 
-# The constraint pins torch (and its ROCm-built companions) to the versions already in the image,
-# so resolving this package's requirements can never replace the ROCm torch with a CPU/CUDA wheel.
+# The package is installed as a built wheel (presets and run configs are its package data), the
+# way users install it; the checkout stays for the recipes in run_scripts/. The constraint pins
+# torch (and its ROCm-built companions) to the versions already in the image, so resolving this
+# package's requirements can never replace the ROCm torch with a CPU/CUDA wheel.
 RUN pip freeze | grep -iE '^(torch|torchvision|torchaudio|triton|pytorch-triton-rocm)==' \
         > /tmp/image-torch-constraints.txt || true; \
-    pip install -c /tmp/image-torch-constraints.txt . && \
-    rm -f /tmp/image-torch-constraints.txt
+    pip wheel --no-deps --wheel-dir /tmp/dist . && \
+    pip install -c /tmp/image-torch-constraints.txt /tmp/dist/primus_v4-*.whl && \
+    rm -rf /tmp/dist /tmp/image-torch-constraints.txt
 
 RUN python -c "import torch, primus_v4; \
 print('torch', torch.__version__, 'hip', torch.version.hip); \
@@ -51,4 +54,5 @@ print('primus_v4', primus_v4.__version__)" && \
     (python -c "import megatron.core as m; print('megatron-core', m.__version__)" || true) && \
     (python -c "import primus_turbo; print('primus_turbo', getattr(primus_turbo, '__version__', '?'))" \
         || echo "primus_turbo not installed (torch reference kernels will be used)") && \
-    primus-v4 --version
+    primus-v4 --version && \
+    primus-v4 inspect model deepseek_v4_flash

@@ -2,9 +2,12 @@
 
 Builds an Alpaca-sized corpus (default 52,000 rows: the shared 999 demo rows repeated, each made
 unique), then measures side by side in one run:
-  floor      encode_batch of exactly the prompts and responses the template encodes (in-process,
-             tokenizer already loaded: the least any pipeline must spend)
-  cold       `primus-v4 pack` in a fresh process on an empty cache dir (wall, startup included)
+  floor      encode_batch of exactly the texts the pipeline encodes: the DeepSeek-V4 chat-mode
+             prompt `BOS <User> prompt <Assistant> </think>` and completion `response EOS` of
+             each row (in-process, tokenizer loaded, strings pre-built: the least any pipeline
+             must spend)
+  cold       `primus-v4 pack` in a fresh process on an empty cache dir (wall, startup included;
+             reading, shape detection, chat-mode rendering, tokenizing, packing, writing)
   cache hit  the same command again (wall)
   packers    FFD vs BFD on the built sample lengths: packs vs ceil(real_tokens / seq_length)
   disk       cache entry bytes vs five int64 arrays per pack
@@ -46,14 +49,19 @@ def floor_seconds(rows: list[dict[str, str]]) -> tuple[float, float]:
     """(wall, cpu) seconds; cpu counts the tokenizer's worker threads too."""
     from tokenizers import Tokenizer
 
+    from primus_v4.data.dsv4_format import ASSISTANT, BOS, END_THINK, EOS, USER
     from primus_v4.data.tokenizer import default_tokenizer_dir
 
     tok = Tokenizer.from_file(str(default_tokenizer_dir() / "tokenizer.json"))
     prompts = [
-        f"{r['instruction']}\n\n{r['input']}" if r["input"].strip() else r["instruction"]
+        BOS
+        + USER
+        + (f"{r['instruction']}\n\n{r['input']}" if r["input"].strip() else r["instruction"])
+        + ASSISTANT
+        + END_THINK
         for r in rows
     ]
-    responses = [r["output"] for r in rows]
+    responses = [r["output"] + EOS for r in rows]
     start, cpu = time.perf_counter(), time.process_time()
     tok.encode_batch(prompts, add_special_tokens=False)
     tok.encode_batch(responses, add_special_tokens=False)

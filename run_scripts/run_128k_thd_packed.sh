@@ -19,7 +19,7 @@ export MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 export MASTER_PORT="${MASTER_PORT:-29518}"
 # One node: keep bootstrap and gloo on loopback (RCCL still uses the GPUs' own links).
 export SOCKET_IFNAME="${SOCKET_IFNAME:-lo}"
-export PRIMUS_CONFIG="${PRIMUS_CONFIG:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/configs/runs/deepseek_v4_3layer_128k.yaml}"
+export PRIMUS_CONFIG="${PRIMUS_CONFIG:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/primus_v4/configs/runs/deepseek_v4_3layer_128k.yaml}"
 export PRIMUS_MODEL_PRESET="${PRIMUS_MODEL_PRESET:-deepseek_v4_3layer}"
 export PRIMUS_SEQ_LENGTH="${PRIMUS_SEQ_LENGTH:-131072}"
 export PRIMUS_TP="${PRIMUS_TP:-1}"

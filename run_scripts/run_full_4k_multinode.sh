@@ -37,7 +37,7 @@ PRIMUS_ETP="${PRIMUS_ETP:-1}"
 PRIMUS_PP_LAYOUT="${PRIMUS_PP_LAYOUT:-}" # e.g. Et*14|t*14|t*15mL; empty = even split
 
 # --- model, batch, optimizer -----------------------------------------------------------------
-PRIMUS_CONFIG="${PRIMUS_CONFIG:-${PRIMUS_REPO_ROOT}/configs/runs/deepseek_v4_flash_sft.yaml}"
+PRIMUS_CONFIG="${PRIMUS_CONFIG:-${PRIMUS_REPO_ROOT}/primus_v4/configs/runs/deepseek_v4_flash_sft.yaml}"
 PRIMUS_MODEL_PRESET="${PRIMUS_MODEL_PRESET:-deepseek_v4_flash}"
 PRIMUS_NUM_LAYERS="${PRIMUS_NUM_LAYERS:-}"         # empty = the preset's
 PRIMUS_COMPRESS_RATIOS="${PRIMUS_COMPRESS_RATIOS:-}" # YAML list, e.g. [0,4,128]; empty = preset's
@@ -57,7 +57,8 @@ FUSED_CE_CHUNK="${FUSED_CE_CHUNK:-}"    # rows per CE chunk; empty = the preset'
 
 # --- data: corpus, packing, node-local cache ---------------------------------------------------
 PRIMUS_DATA_PATH="${PRIMUS_DATA_PATH:-tatsu-lab/alpaca}" # file, dir, hub name or `synthetic`
-PRIMUS_DATA_FORMAT="${PRIMUS_DATA_FORMAT:-auto}"
+PRIMUS_DATA_FORMAT="${PRIMUS_DATA_FORMAT:-auto}" # messages, sharegpt, alpaca, prompt_completion
+PRIMUS_CHAT_MODE="${PRIMUS_CHAT_MODE:-auto}"     # chat, thinking, auto (thinking if reasoning)
 PRIMUS_DATA_LAYOUT="${PRIMUS_DATA_LAYOUT:-bshd}" # thd = packed (run_full_4k_thd_multinode.sh)
 PRIMUS_PACK_ALGORITHM="${PRIMUS_PACK_ALGORITHM:-ffd}"
 # Node-local scratch, per user: a shared filesystem here gives NFS lock errors (ESTALE) and
@@ -87,6 +88,7 @@ primus_add_set train.global_batch_size "${GBS}"
 primus_add_set train.micro_batch_size "${MBS}"
 primus_add_set data.path "${PRIMUS_DATA_PATH}"
 primus_add_set data.format "${PRIMUS_DATA_FORMAT}"
+primus_add_set data.chat_mode "${PRIMUS_CHAT_MODE}"
 primus_add_set data.seq_length "${PRIMUS_SEQ_LENGTH}"
 primus_add_set data.layout "${PRIMUS_DATA_LAYOUT}"
 primus_add_set data.algorithm "${PRIMUS_PACK_ALGORITHM}"

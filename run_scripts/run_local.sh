@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One machine, NPROC processes through the same torchrun path as the cluster recipes: gloo on
-# CPU, or one process per GPU. Defaults train the tiny DeepSeek-V4 (configs/runs/tiny_cpu_thd.yaml)
+# CPU, or one process per GPU. Defaults train the tiny DeepSeek-V4 (primus_v4/configs/runs/tiny_cpu_thd.yaml)
 # for 3 steps with 2 processes (DP2).
 #
 #   NPROC=2 bash run_scripts/run_local.sh                      # CPU: well under a minute
@@ -40,7 +40,7 @@ primus_export_network
 # separate validation pass (a second torch import) is skipped unless asked for.
 PRIMUS_PREFLIGHT="${PRIMUS_PREFLIGHT:-0}"
 
-PRIMUS_CONFIG="${PRIMUS_CONFIG:-${PRIMUS_REPO_ROOT}/configs/runs/tiny_cpu_thd.yaml}"
+PRIMUS_CONFIG="${PRIMUS_CONFIG:-${PRIMUS_REPO_ROOT}/primus_v4/configs/runs/tiny_cpu_thd.yaml}"
 TRAIN_STEPS="${TRAIN_STEPS:-3}"
 PRIMUS_SEQ_LENGTH="${PRIMUS_SEQ_LENGTH:-}"
 PRIMUS_DATA_PATH="${PRIMUS_DATA_PATH:-}"

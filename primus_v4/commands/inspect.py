@@ -19,7 +19,9 @@ def _cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="pack cache dir (default $PRIMUS_PACK_CACHE_DIR or $TMPDIR/primus_v4-UID/packs)",
     )
     parser.add_argument(
-        "--verify", action="store_true", help="check every file against its manifest sha256"
+        "--verify",
+        action="store_true",
+        help="check every file against its manifest sha256; exit 1 when an entry is CORRUPT",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per entry")
 
@@ -41,10 +43,11 @@ def _cache_run(args: argparse.Namespace) -> int:
         if not path.name.startswith("pack-"):
             continue
         entries.append(_describe(path, verify=args.verify))
+    corrupt = any(str(e["status"]).startswith("CORRUPT") for e in entries)
     if args.json:
         for item in entries:
             print(json.dumps(item))
-        return 0
+        return 1 if corrupt else 0
     print(f"{root}: {sum(1 for e in entries if 'key' in e)} pack cache entries")
     for item in entries:
         if "key" not in item:
@@ -56,7 +59,7 @@ def _cache_run(args: argparse.Namespace) -> int:
             f"samples={item['num_samples']} real={100 * item['real_fraction']:.1f}% "
             f"supervised={100 * item['supervised_fraction']:.1f}%  data={item['data']}"
         )
-    return 0
+    return 1 if corrupt else 0
 
 
 # Stats that describe one `pack` call rather than the cache entry.
@@ -93,7 +96,7 @@ def _describe(path: Path, *, verify: bool) -> dict:
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("preset", help="model preset name (configs/models/<preset>.yaml)")
+    parser.add_argument("preset", help="model preset name (`primus-v4 inspect presets` lists them)")
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
 
 
@@ -116,18 +119,125 @@ def _model_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    from primus_v4.config.schema import SECTIONS
+
+    parser.add_argument(
+        "--section", choices=list(SECTIONS), default=None, help="only this section's keys"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per key")
+
+
+def _config_run(args: argparse.Namespace) -> int:
+    from primus_v4.config.reference import format_reference, reference
+
+    if args.json:
+        for entry in reference():
+            if args.section in (None, entry["key"].partition(".")[0]):
+                print(json.dumps(entry, default=str))
+        return 0
+    print(format_reference(args.section))
+    return 0
+
+
+def _presets_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _presets_run(args: argparse.Namespace) -> int:
+    from primus_v4.config.loader import RUNS_DIR, bundled_run_configs
+    from primus_v4.models.deepseek_v4.config import PRESET_DIR
+
+    presets = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    runs = bundled_run_configs()
+    if args.json:
+        print(json.dumps({"model_presets": presets, "run_configs": runs}))
+        return 0
+    print(f"model presets (model.preset=NAME; files in {PRESET_DIR}):")
+    print("".join(f"  {name}\n" for name in presets), end="")
+    print(f"run configs (train --config NAME; files in {RUNS_DIR}):")
+    print("".join(f"  {name}\n" for name in runs), end="")
+    return 0
+
+
+def _checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "dir", help="a checkpoint.dir (every checkpoint in it) or one step_NNNNNNNN checkpoint"
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every file's size and sha256 against the checkpoint's manifest; exit 1 "
+        "when a checkpoint is damaged",
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
+
+
+def _checkpoint_run(args: argparse.Namespace) -> int:
+    from primus_v4.errors import PrimusError
+
+    root = Path(args.dir).expanduser()
+    if not root.is_dir():
+        raise PrimusError(f"checkpoint dir {root} does not exist")
+    dirs = [root] if root.name.startswith("step_") else sorted(root.glob("step_*"))
+    dirs += sorted(root.glob(".tmp_step_*"))
+    bad = False
+    for path in dirs:
+        item = _checkpoint_entry(path, verify=args.verify)
+        bad |= bool(item["problems"])
+        if args.json:
+            print(json.dumps(item))
+            continue
+        print(f"{path}: {item['status']}, {item['bytes'] / 2**20:.1f} MiB, {item['files']} files")
+        for problem in item["problems"]:
+            print(f"  {problem}")
+    if not dirs and not args.json:
+        print(f"{root}: no checkpoints")
+    return 1 if bad else 0
+
+
+def _checkpoint_entry(path: Path, *, verify: bool) -> dict:
+    from primus_v4.data.cache import dir_bytes
+    from primus_v4.training import checkpoint_integrity as integrity
+
+    files = sum(1 for p in path.rglob("*") if p.is_file())
+    if not integrity.is_complete(path):
+        status, problems = "incomplete (a save that did not finish; never loaded)", []
+    elif verify:
+        problems = integrity.verify(path)
+        status = "DAMAGED" if problems else "verified"
+    else:
+        status, problems = "complete", []
+    return {"checkpoint": str(path), "status": status, "problems": problems,
+            "bytes": dir_bytes(path), "files": files}  # fmt: skip
+
+
 # view name -> (help, add_arguments, run)
 VIEWS: dict[
     str,
     tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]],
 ] = {
-    "cache": ("list pack cache entries: key, stats, size", _cache_arguments, _cache_run),
+    "config": (
+        "the config reference: every key with its type, default and meaning",
+        _config_arguments,
+        _config_run,
+    ),
+    "presets": ("the shipped model presets and run configs", _presets_arguments, _presets_run),
     "model": ("parameter counts of a model preset by component", _model_arguments, _model_run),
+    "cache": ("list pack cache entries: key, stats, size", _cache_arguments, _cache_run),
+    "checkpoint": (
+        "list training checkpoints; --verify checks their checksums",
+        _checkpoint_arguments,
+        _checkpoint_run,
+    ),
 }
 
 
+DESCRIPTION = "Read-only views; nothing is changed. `primus-v4 inspect VIEW --help` for a view."
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    views = parser.add_subparsers(dest="view", required=True, metavar="{" + ",".join(VIEWS) + "}")
+    views = parser.add_subparsers(dest="view", required=True, metavar="VIEW", title="views")
     for name, (help_text, add, _) in VIEWS.items():
         add(views.add_parser(name, help=help_text, description=help_text))
 

@@ -16,22 +16,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data",
         required=True,
-        help="corpus: a .json/.jsonl/.parquet file, a hub dataset name[@revision], or "
-        "synthetic[:rows=N,seed=S] (the embedded Alpaca-like corpus)",
+        action="append",
+        help="corpus: a .json/.jsonl/.parquet file or a directory of them, a hub dataset "
+        "name[@revision], or synthetic[:rows=N,seed=S] (the embedded Alpaca-like corpus). "
+        "Repeat to mix sources; options after '::', e.g. "
+        "'chat.jsonl::weight=3,format=sharegpt' or 'org/name::split=train,subset=en'",
     )
-    parser.add_argument("--format", default="auto", choices=("alpaca", "messages", "auto"))
-    parser.add_argument("--seq-length", type=int, required=True, help="tokens per pack")
+    parser.add_argument(
+        "--format",
+        default="auto",
+        choices=("messages", "sharegpt", "alpaca", "prompt_completion", "auto"),
+        help="row shape of every source without its own format= (default: detected, logged)",
+    )
+    parser.add_argument(
+        "--chat-mode",
+        default="auto",
+        choices=("chat", "thinking", "auto"),
+        help="DeepSeek-V4 rendering: chat (</think> opens each answer), thinking (<think>, "
+        "reasoning rendered) or auto (thinking for rows with reasoning_content; default)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the draws for fractional source weights"
+    )
+    parser.add_argument(
+        "--seq-length", type=int, required=True, help="tokens per pack (the training row length)"
+    )
     parser.add_argument(
         "--cache-dir",
         default=None,
         help="node-local cache dir (default $PRIMUS_PACK_CACHE_DIR or $TMPDIR/primus_v4-UID/packs)",
     )
-    parser.add_argument("--algorithm", default="ffd", choices=("ffd", "bfd"))
-    parser.add_argument("--overlong", default="truncate", choices=("truncate", "drop"))
+    parser.add_argument(
+        "--algorithm",
+        default="ffd",
+        choices=("ffd", "bfd"),
+        help="packer: first-fit-decreasing (default) or best-fit-decreasing; both deterministic",
+    )
+    parser.add_argument(
+        "--overlong",
+        default="truncate",
+        choices=("truncate", "drop"),
+        help="samples longer than --seq-length: cut them (default) or leave them out",
+    )
     parser.add_argument(
         "--tokenizer", default=None, help="dir with tokenizer.json (default: DeepSeek-V4's)"
     )
-    parser.add_argument("--stats-json", type=Path, default=None, help="write the stats here")
+    parser.add_argument(
+        "--stats-json", type=Path, default=None, help="also write the statistics to this JSON file"
+    )
     parser.add_argument(
         "--export-jsonl", type=Path, default=None, help="write one pack per line (integer lists)"
     )
@@ -66,7 +98,12 @@ def summary_table(stats: dict[str, Any]) -> str:
         ("cache dir", stats.get("cache_dir", "")),
         ("format", stats.get("format", "")),
         ("rows read", stats.get("num_rows", "")),
+        ("chat modes (rows)", _fmt(stats.get("chat_modes", {}))),
         ("bad rows", _fmt(stats["bad_rows"])),
+        *(
+            (f"  first bad row {k + 1}", f"{e['where']}: {e['detail']}")
+            for k, e in enumerate(stats.get("bad_row_examples", []))
+        ),
         ("samples", stats["num_samples"]),
         ("truncated / dropped", f"{stats['truncated']} / {stats['dropped']}"),
         ("packs (lower bound)", f"{stats['num_packs']} ({stats.get('lower_bound_packs', '?')})"),
@@ -82,19 +119,55 @@ def summary_table(stats: dict[str, Any]) -> str:
             f"{stats['supervised_tokens']} ({100 * stats['supervised_fraction']:.2f}%)",
         ),
         ("packs w/o 128-token sample", stats.get("packs_without_128_window", "")),
+        *(
+            (
+                f"source {k + 1}",
+                f"{src['path']} ({src['format']}, weight {src['weight']:g}): {src['samples']} "
+                f"samples, {src['tokens']} tokens, {src['supervised_tokens']} supervised",
+            )
+            for k, src in enumerate(stats.get("sources", []))
+        ),
         ("build / load seconds", f"{stats['build_seconds']:.2f} / {stats['load_seconds']:.2f}"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
 
+def parse_data_args(items: list[str]) -> str | list[dict[str, Any]]:
+    """`--data PATH[::key=value,...]` (repeatable) -> one path, or a list of source mappings."""
+    from primus_v4.errors import DataError
+
+    if len(items) == 1 and "::" not in items[0]:
+        return items[0]
+    sources: list[dict[str, Any]] = []
+    for item in items:
+        path, _, options = item.partition("::")
+        source: dict[str, Any] = {"path": path}
+        for option in filter(None, (o.strip() for o in options.split(","))):
+            key, sep, value = option.partition("=")
+            if not sep or key not in ("format", "weight", "split", "subset"):
+                raise DataError(
+                    f"--data {item!r}: bad option {option!r}; expected format=, weight=, split= "
+                    "or subset="
+                )
+            try:
+                source[key] = float(value) if key == "weight" else value
+            except ValueError:
+                raise DataError(f"--data {item!r}: weight {value!r} is not a number") from None
+        sources.append(source)
+    return sources
+
+
 def run(args: argparse.Namespace) -> int:
     from primus_v4.data.pipeline import PackSpec, build_or_load
     from primus_v4.errors import DataError
 
+    data = parse_data_args(args.data)
     spec = PackSpec(
-        data=args.data,
+        data=data,
         format=args.format,
+        chat_mode=args.chat_mode,
+        seed=args.seed,
         seq_length=args.seq_length,
         algorithm=args.algorithm,
         overlong=args.overlong,
@@ -114,6 +187,6 @@ def run(args: argparse.Namespace) -> int:
             corpus.export_jsonl(args.export_jsonl)
     except OSError as exc:
         raise DataError(f"cannot write {exc.filename}: {exc.strerror}") from exc
-    print(f"primus-v4 pack: {args.data} at seq_length {args.seq_length} ({args.algorithm})")
+    print(f"primus-v4 pack: {spec.describe()} at seq_length {args.seq_length} ({args.algorithm})")
     print(summary_table(corpus.stats))
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -23,8 +24,9 @@ import yaml
 from primus_v4.config.schema import SECTIONS, RunConfig
 from primus_v4.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "runs" / "tiny_cpu_thd.yaml"
+# Run configs ship inside the package (package data), so a wheel install has them too.
+RUNS_DIR = Path(__file__).resolve().parents[1] / "configs" / "runs"
+DEFAULT_CONFIG = RUNS_DIR / "tiny_cpu_thd.yaml"
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)")
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
 
@@ -134,8 +136,27 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
+def _check_finite(value: Any, key: str) -> None:
+    """inf/nan are never meaningful config values (a lr of inf trains to nan at step 1)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{key}.{k}")
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{key}[{i}]")
+
+
 def coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check `value` against a field's type hint; ints widen to floats. Raises ConfigError."""
+    """Check `value` against a field's type hint (ints widen to floats, floats must be finite).
+    Raises ConfigError."""
+    value = _coerce(value, hint, key)
+    _check_finite(value, key)
+    return value
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         errors = []
@@ -143,7 +164,7 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
             if option is type(None) and value is None:
                 return None
             try:
-                return coerce(value, option, key)
+                return _coerce(value, option, key)
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(f"{key}: expected {_type_name(hint)}, got {value!r}")
@@ -185,8 +206,10 @@ def _build_section(name: str, values: Any, where: _Where) -> Any:
             raise _unknown(dotted, known, where, "key")
         try:
             kwargs[key] = coerce(value, hints[key], dotted)
-        except ConfigError as exc:
-            raise ConfigError(f"{where(dotted)}: {exc}") from None
+        except ConfigError as exc:  # the message starts with the innermost key at fault
+            inner = str(exc).partition(":")[0]
+            at = inner if inner.startswith(dotted) else dotted
+            raise ConfigError(f"{where(at)}: {exc}") from None
     try:
         return cls(**kwargs)
     except ConfigError as exc:
@@ -218,11 +241,36 @@ def load_config_text(
     return build_config(interpolate(tree, where), where)
 
 
+def bundled_run_configs() -> list[str]:
+    """Names of the run configs shipped with the package (`--config NAME`)."""
+    return sorted(p.stem for p in RUNS_DIR.glob("*.yaml"))
+
+
+def config_path(path_or_name: str | Path) -> Path:
+    """A run config file: an existing path, else a shipped config by name (`tiny_cpu_thd`, with
+    or without .yaml, or as `configs/runs/<name>.yaml` as the repository lays it out)."""
+    path = Path(path_or_name).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise ConfigError(f"config {path} is a directory; pass a YAML file")
+    bundled = RUNS_DIR / (path.stem + ".yaml")
+    if (
+        path.suffix in ("", ".yaml")
+        and bundled.is_file()
+        and (path.parent == Path() or path.parent.parts[-2:] == ("configs", "runs"))
+    ):
+        return bundled
+    raise ConfigError(
+        f"config file {path} does not exist; pass the path of your YAML file or one of the "
+        f"shipped run configs by name: {bundled_run_configs()}"
+    )
+
+
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
-    """Load a run config file (default: the embedded tiny_cpu_thd.yaml) plus `--set` items."""
-    path = Path(path) if path is not None else DEFAULT_CONFIG
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+    """Load a run config (a file path or a shipped config name; default: the embedded
+    tiny_cpu_thd.yaml) plus `--set` items."""
+    path = config_path(path) if path is not None else DEFAULT_CONFIG
     return load_config_text(path.read_text(), source=str(path), overrides=overrides)
 
 

@@ -7,6 +7,7 @@ Layout (megatron-core, tp = etp = 1):
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,16 +120,28 @@ def tokenizer_of(cfg: RunConfig) -> str | None:
     return str(own.parent) if own.is_file() else None
 
 
-def pack_spec(cfg: RunConfig) -> PackSpec:
-    """What the data pipeline packs and caches (checked here; nothing is read or built)."""
+def pack_spec(cfg: RunConfig, *, split: str | None = None) -> PackSpec:
+    """What the data pipeline packs and caches (checked here; nothing is read or built).
+    `split="eval"`: the evaluation corpus (data.eval_path, or data.path's held-out rows)."""
     from primus_v4.data.pipeline import PackSpec
     from primus_v4.errors import DataError
 
     d = cfg.data
+    path, holdout = d.path, d.eval_fraction
+    if split == "eval" and d.eval_path:
+        path, split, holdout = d.eval_path, "all", 0.0
+    elif holdout == 0:
+        split = "all"
+    else:
+        split = split or "train"  # the training corpus is what is not held out
     try:
         return PackSpec(
-            data=d.path,
+            data=path,
+            holdout_fraction=holdout,
+            split=split,
             format=d.format,
+            chat_mode=d.chat_mode,
+            seed=cfg.train.seed,
             seq_length=d.seq_length,
             algorithm=d.algorithm,
             overlong=d.overlong,
@@ -140,6 +153,21 @@ def pack_spec(cfg: RunConfig) -> PackSpec:
         )
     except DataError as exc:
         raise ConfigError(f"data: {exc}") from None
+
+
+def train_steps(cfg: RunConfig, rows_per_epoch: int) -> int:
+    """`train.steps`, or the steps `train.epochs` passes over `rows_per_epoch` rows take."""
+    t = cfg.train
+    if t.steps is not None:
+        return t.steps
+    assert t.epochs is not None  # the schema requires exactly one of the two
+    steps = max(1, math.ceil(t.epochs * rows_per_epoch / t.global_batch_size))
+    if t.warmup_steps > steps:
+        raise ConfigError(
+            f"train.warmup_steps={t.warmup_steps} exceeds the {steps} steps of train.epochs="
+            f"{t.epochs:g} ({rows_per_epoch} rows per epoch, global batch {t.global_batch_size})"
+        )
+    return steps
 
 
 def check_model_fits(cfg: RunConfig, model: DeepseekV4Config) -> None:
@@ -178,6 +206,8 @@ class ResolvedRun:
     sizes: ParallelSizes
     model: DeepseekV4Config
     data: PackSpec
+    eval_data: PackSpec | None = None
+    """The evaluation corpus (None: no evaluation)."""
 
     def summary(self) -> dict[str, Any]:
         """Derived numbers printed next to the config by `--dry-run`."""
@@ -199,4 +229,16 @@ def resolve_run(cfg: RunConfig, world: int | None = None) -> ResolvedRun:
     sizes = parallel_sizes(cfg, world_size_from_env() if world is None else world)
     model = model_config(cfg)
     check_model_fits(cfg, model)
-    return ResolvedRun(cfg=cfg, sizes=sizes, model=model, data=pack_spec(cfg))
+    evaluates = bool(cfg.data.eval_path) or cfg.data.eval_fraction > 0
+    if evaluates and cfg.parallel.pp > 1:
+        raise ConfigError(
+            f"data.eval_path / data.eval_fraction: evaluation runs without pipeline parallelism "
+            f"only (parallel.pp={cfg.parallel.pp}); unset them for this layout"
+        )
+    return ResolvedRun(
+        cfg=cfg,
+        sizes=sizes,
+        model=model,
+        data=pack_spec(cfg),
+        eval_data=pack_spec(cfg, split="eval") if evaluates else None,
+    )

@@ -23,10 +23,16 @@ def _require(ok: bool, key: str, message: str) -> None:
 class DataConfig:
     """Where the corpus is and how it becomes rows."""
 
-    path: str = "synthetic"
-    """Corpus: a local json/jsonl/parquet file or directory, a hub name, or `synthetic`."""
+    path: str | list[Any] = "synthetic"
+    """Corpus: a local json/jsonl/parquet file or a directory of them, a hub name[@revision],
+    `synthetic`, or a list of sources `{path, format?, weight?, split?, subset?}` mixed by
+    weight (a sampling ratio: 3 repeats each row 3 times, 0.5 keeps a seeded half)."""
     format: str = "auto"
-    """Row format: `alpaca`, `messages` (chat), or `auto` (detected from the first rows)."""
+    """Row shape: `messages`, `sharegpt`, `alpaca`, `prompt_completion`, or `auto` (detected
+    per source from its first rows; the choice is logged)."""
+    chat_mode: Literal["chat", "thinking", "auto"] = "auto"
+    """DeepSeek-V4 rendering: `chat` (answers open with `</think>`), `thinking` (`<think>`,
+    reasoning rendered), `auto` (thinking for a row with any reasoning_content, else chat)."""
     seq_length: int = 512
     """Tokens per row (pack). Micro-batch rows are always exactly this long."""
     layout: Literal["thd", "bshd"] = "thd"
@@ -45,9 +51,33 @@ class DataConfig:
     """Node-local directory for the build lock (default when None)."""
     lock_timeout_s: float = 600.0
     """How long a rank waits for another rank on its node to build the cache."""
+    eval_path: str | None = None
+    """Evaluation corpus (same formats and sources as `path`), packed like the training data;
+    None = no separate evaluation corpus."""
+    eval_fraction: float = 0.0
+    """Fraction of `path`'s rows held out for evaluation before packing (a fixed, seed-independent
+    choice; never trained on); 0 = none. Exclusive with eval_path."""
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "data.path", "must not be empty")
+        if isinstance(self.path, list):
+            from primus_v4.data.mixing import parse_sources
+            from primus_v4.errors import DataError
+
+            try:
+                parse_sources(self.path)
+            except DataError as exc:
+                raise ConfigError(f"data.path: {exc}") from None
+        _require(
+            0.0 <= self.eval_fraction < 1.0,
+            "data.eval_fraction",
+            f"must be in [0, 1), got {self.eval_fraction}",
+        )
+        _require(
+            not (self.eval_path and self.eval_fraction > 0),
+            "data.eval_fraction",
+            "set either data.eval_path or data.eval_fraction, not both",
+        )
         _require(self.seq_length >= 8, "data.seq_length", f"must be >= 8, got {self.seq_length}")
         _require(self.lock_timeout_s > 0, "data.lock_timeout_s", "must be > 0")
 
@@ -57,7 +87,8 @@ class ModelConfig:
     """Which DeepSeek-V4 to build."""
 
     preset: str | None = None
-    """A preset file configs/models/<preset>.yaml (DeepseekV4Config fields); None = `tiny`,
+    """A shipped preset (`primus-v4 inspect presets`; primus_v4/configs/models/<preset>.yaml,
+    DeepseekV4Config fields); None = `tiny`,
     or the checkpoint's own config.json when `pretrained` is set (then a preset is an error)."""
     pretrained: str | None = None
     """A released checkpoint directory (config.json + safetensors, e.g. DeepSeek-V4-Flash) to
@@ -163,8 +194,11 @@ class OptimConfig:
 class TrainConfig:
     """Steps, batch and learning-rate schedule."""
 
-    steps: int = 30
-    """Optimizer steps to run."""
+    steps: int | None = 30
+    """Optimizer steps to run; null when `epochs` sets the length instead."""
+    epochs: float | None = None
+    """Passes over the packed corpus instead of `steps` (exactly one of the two is set): steps =
+    ceil(epochs x rows per epoch / global_batch_size), rows = packs (thd) or samples (bshd)."""
     seed: int = 1234
     """Seeds model init and data order: two runs with the same seed log the same numbers."""
     global_batch_size: int = 2
@@ -185,9 +219,21 @@ class TrainConfig:
     """Non-finite loss or gradient: stop with an error naming the step, or skip the step."""
     shuffle: bool = True
     """Shuffle pack order each epoch (seeded); False keeps the packer's order."""
+    eval_interval: int = 0
+    """Evaluate every this many steps (and always after the last step) when data.eval_path or
+    data.eval_fraction is set; 0 = only after the last step."""
 
     def __post_init__(self) -> None:
-        _require(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
+        _require(
+            (self.steps is None) != (self.epochs is None),
+            "train.steps",
+            f"set exactly one of train.steps and train.epochs (got steps={self.steps}, "
+            f"epochs={self.epochs}); e.g. --set train.steps=null --set train.epochs=2",
+        )
+        if self.steps is not None:
+            _require(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
+        if self.epochs is not None:
+            _require(self.epochs > 0, "train.epochs", f"must be > 0, got {self.epochs}")
         _require(
             self.global_batch_size >= 1,
             "train.global_batch_size",
@@ -207,6 +253,7 @@ class TrainConfig:
         _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
         _require(self.clip_grad >= 0, "train.clip_grad", "must be >= 0 (0 disables clipping)")
+        _require(self.eval_interval >= 0, "train.eval_interval", "must be >= 0 (0 = at the end)")
 
 
 @dataclass(kw_only=True)
@@ -218,7 +265,10 @@ class OutputConfig:
     progress_bar: bool = True
     """tqdm bar on rank 0 (stderr)."""
     plot: bool = True
-    """Write loss.png (loss and grad norm vs step) at the end."""
+    """Write loss.png (loss, eval loss, grad norm and lr vs step) at the end."""
+    tensorboard: bool = False
+    """Also write the metrics.jsonl scalars as TensorBoard events under <dir>/tensorboard (needs
+    the `tensorboard` extra: pip install 'primus_v4[tensorboard]')."""
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "output.dir", "must not be empty")
@@ -233,10 +283,16 @@ class CheckpointConfig:
     interval: int = 0
     """Save every this many steps (and at the end); 0 = only at the end."""
     resume: bool = True
-    """Resume from the latest complete checkpoint in dir when there is one."""
+    """Resume from the newest intact checkpoint in dir when there is one (a damaged newer one is
+    reported by file and skipped). The model and world size must match the saved run; a changed
+    schedule (steps, lr, min_lr, warmup) is allowed and applies from the resumed step."""
+    keep_last: int = 3
+    """Keep the newest this many complete checkpoints; older ones are deleted once a newer one is
+    published. 0 keeps all."""
 
     def __post_init__(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval", "must be >= 0 (0 = only at the end)")
+        _require(self.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0 keeps all)")
 
 
 SECTIONS: dict[str, type] = {
@@ -271,7 +327,7 @@ class RunConfig:
                 "already holds many samples; raise train.global_batch_size to accumulate more",
             )
         _require(
-            self.train.warmup_steps <= self.train.steps,
+            self.train.steps is None or self.train.warmup_steps <= self.train.steps,
             "train.warmup_steps",
             f"{self.train.warmup_steps} exceeds train.steps={self.train.steps}",
         )

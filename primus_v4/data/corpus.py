@@ -34,9 +34,11 @@ class RawRow:
 
 @dataclass(frozen=True, kw_only=True)
 class CorpusSource:
-    kind: Literal["synthetic", "file", "hub"]
-    name: str  # file path, hub dataset name, or "synthetic"
+    kind: Literal["synthetic", "file", "dir", "hub"]
+    name: str  # file or directory path, hub dataset name, or "synthetic"
     revision: str | None = None  # hub revision (branch, tag or commit)
+    split: str | None = None  # hub split (default "train")
+    subset: str | None = None  # hub configuration name
     rows: int = SYNTHETIC_DEFAULT_ROWS  # synthetic only
     seed: int = SYNTHETIC_DEFAULT_SEED  # synthetic only
 
@@ -44,27 +46,51 @@ class CorpusSource:
     def path(self) -> Path:
         return Path(self.name)
 
+    def shards(self) -> list[Path]:
+        """The files of a directory source (sorted, recursive), or the one file."""
+        if self.kind != "dir":
+            return [self.path]
+        files = sorted(
+            p for p in self.path.rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES
+        )
+        if not files:
+            raise DataError(
+                f"corpus directory {self.path} holds no {', '.join(LOCAL_SUFFIXES)} shard"
+            )
+        return files
+
     def fingerprint(self) -> str:
         """What identifies the corpus content in the cache key (no row is parsed)."""
         if self.kind == "synthetic":
             from primus_v4.data.synthetic import GENERATOR_VERSION
 
             return f"synthetic:{GENERATOR_VERSION}:rows={self.rows}:seed={self.seed}"
-        if self.kind == "file":
+        if self.kind in ("file", "dir"):
             # Content, not path: the same file copied elsewhere shares its cache.
             try:
-                return f"file:{self.path.stat().st_size}:{file_sha256(self.path)}"
+                parts = [
+                    f"{p.relative_to(self.path) if self.kind == 'dir' else ''}:"
+                    f"{p.stat().st_size}:{file_sha256(p)}"
+                    for p in self.shards()
+                ]
             except OSError as exc:
                 raise DataError(f"cannot read corpus {self.path}: {exc.strerror}") from exc
+            return f"{self.kind}:" + ",".join(parts)
         # Offline we cannot resolve a moving branch to a commit; pin `name@commit` for a key
         # that can never alias two different snapshots.
-        return f"hub:{self.name}@{self.revision or 'main'}"
+        where = f"hub:{self.name}@{self.revision or 'main'}"
+        return where + f":subset={self.subset or ''}:split={self.split or 'train'}"
 
     def describe(self) -> str:
         if self.kind == "synthetic":
             return f"synthetic(rows={self.rows}, seed={self.seed})"
         if self.kind == "hub":
-            return f"hub dataset {self.name}" + (f"@{self.revision}" if self.revision else "")
+            extra = "".join(
+                f" {k}={v}" for k, v in (("subset", self.subset), ("split", self.split)) if v
+            )
+            return (
+                f"hub dataset {self.name}" + (f"@{self.revision}" if self.revision else "") + extra
+            )
         return str(self.path)
 
 
@@ -95,8 +121,11 @@ def _looks_like_path(data: str) -> bool:
     )
 
 
-def resolve_source(data: str) -> CorpusSource:
-    """`synthetic[:rows=N,seed=S]`, an existing local file, or a hub name `owner/name[@rev]`."""
+def resolve_source(
+    data: str, *, split: str | None = None, subset: str | None = None
+) -> CorpusSource:
+    """`synthetic[:rows=N,seed=S]`, a local file or directory of shards, or a hub name
+    `owner/name[@rev]` (with `split` / `subset`)."""
     data = data.strip()
     if not data:
         raise DataError(
@@ -107,9 +136,7 @@ def resolve_source(data: str) -> CorpusSource:
     path = Path(data).expanduser()
     if path.exists():
         if path.is_dir():
-            raise DataError(
-                f"corpus {path} is a directory: pass one .json, .jsonl or .parquet file"
-            )
+            return CorpusSource(kind="dir", name=str(path))
         if path.suffix.lower() not in LOCAL_SUFFIXES:
             raise DataError(
                 f"corpus {path}: unsupported file type {path.suffix!r} "
@@ -119,7 +146,9 @@ def resolve_source(data: str) -> CorpusSource:
     if _looks_like_path(data):
         raise DataError(f"corpus file {path} does not exist")
     name, _, revision = data.partition("@")
-    return CorpusSource(kind="hub", name=name, revision=revision or None)
+    return CorpusSource(
+        kind="hub", name=name, revision=revision or None, split=split, subset=subset
+    )
 
 
 def _iter_json_lines(path: Path, text: str) -> Iterator[RawRow]:
@@ -178,7 +207,9 @@ def _read_hub(source: CorpusSource) -> Iterator[RawRow]:
     try:
         import datasets
 
-        ds = datasets.load_dataset(source.name, revision=source.revision, split="train")
+        ds = datasets.load_dataset(
+            source.name, source.subset, revision=source.revision, split=source.split or "train"
+        )
     except Exception as exc:  # network, auth and not-found errors all land here
         raise DataError(
             f"cannot load hub dataset {source.name!r} ({type(exc).__name__}: {exc}). Offline or "
@@ -197,10 +228,11 @@ def read_rows(source: CorpusSource) -> list[RawRow]:
         rows = [RawRow(where=f"synthetic row {i}", value=v) for i, v in enumerate(values, 1)]
     elif source.kind == "hub":
         rows = list(_read_hub(source))
-    elif source.path.suffix.lower() == ".parquet":
-        rows = list(_read_parquet(source.path))
     else:
-        rows = list(_read_json_file(source.path))
+        rows = []
+        for shard in source.shards():
+            reader = _read_parquet if shard.suffix.lower() == ".parquet" else _read_json_file
+            rows.extend(reader(shard))
     if not rows:
         raise DataError(f"corpus {source.describe()} is empty (no rows)")
     return rows

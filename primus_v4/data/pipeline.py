@@ -11,18 +11,19 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from primus_v4.data import cache
+from primus_v4.data import cache, holdout
 from primus_v4.data.corpus import CorpusSource, read_rows, resolve_source
 from primus_v4.data.loader import PackedCorpus
+from primus_v4.data.mixing import SourceSpec, integral, parse_sources, weighted_samples
 from primus_v4.data.packing import ALGORITHMS, pack, segment_cap
-from primus_v4.data.templates import FORMATS, TEMPLATE_ID, Rendered, render
+from primus_v4.data.templates import BAD_EXAMPLES, CHAT_MODES, FORMATS, TEMPLATE_ID, render
 from primus_v4.data.tokenizer import (
     TextTokenizer,
     load_tokenizer,
@@ -57,31 +58,50 @@ HCA_WINDOW = 128
 
 @dataclass(frozen=True, kw_only=True)
 class PackSpec:
-    """What to pack and where to cache it. Only the first seven fields change pack content."""
+    """What to pack and where to cache it. Only the first nine fields change pack content."""
 
-    data: str = "synthetic"  # "synthetic[:rows=N,seed=S]", a .json/.jsonl/.parquet path, a hub name
-    format: str = "auto"  # alpaca | messages | auto (detected from the first rows' keys)
+    # "synthetic[:rows=N,seed=S]", a .json/.jsonl/.parquet file or a directory of them, a hub
+    # name[@revision], or a list of sources {path, format?, weight?, split?, subset?} (mixing)
+    data: str | Sequence[Any] = "synthetic"
+    format: str = "auto"  # messages | sharegpt | alpaca | prompt_completion | auto (detected)
+    chat_mode: str = "auto"  # chat | thinking | auto (thinking for rows with reasoning)
     seq_length: int = 4096  # tokens per pack
     algorithm: str = "ffd"  # ffd | bfd
     overlong: str = "truncate"  # samples longer than seq_length: truncate | drop
     tokenizer: str | Path | None = None  # dir with tokenizer.json; None = DeepSeek-V4's
-    strict: bool = False  # bad rows raise DataError (file + line) instead of being counted
+    seed: int = 0  # draws of fractional source weights (part of the key only when used)
+    strict: bool = False  # bad rows raise DataError (file + line), on a cache hit too
     cache_dir: str | Path | None = None  # None = $PRIMUS_PACK_CACHE_DIR or node-local tmp
     lock_dir: str | Path | None = None  # None = $PRIMUS_PACK_LOCK_DIR or node-local tmp
+    holdout_fraction: float = 0.0  # rows held out for evaluation before packing (holdout.py)
+    split: str = "all"  # all | train (rows not held out) | eval (the held-out rows)
     lock_timeout_s: float = 600.0  # max wait for another builder; keep below collective timeout
 
     def __post_init__(self) -> None:
         if not isinstance(self.seq_length, int) or self.seq_length < 2:
             raise DataError(f"seq_length must be an integer >= 2, got {self.seq_length!r}")
+        formats = [self.format] + [s.format for s in self.sources() if s.format is not None]
         for name, value, allowed in (
-            ("format", self.format, FORMATS),
+            *(("format", f, FORMATS) for f in formats),
+            ("chat_mode", self.chat_mode, CHAT_MODES),
             ("algorithm", self.algorithm, ALGORITHMS),
             ("overlong", self.overlong, OVERLONG),
+            ("split", self.split, holdout.SPLITS),
         ):
             if value not in allowed:
                 raise DataError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.lock_timeout_s <= 0:
             raise DataError(f"lock_timeout_s must be > 0, got {self.lock_timeout_s}")
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise DataError(f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
+
+    def sources(self) -> tuple[SourceSpec, ...]:
+        return parse_sources(self.data)
+
+    def describe(self) -> str:
+        return ", ".join(
+            s.path + (f" (weight {s.weight:g})" if s.weight != 1 else "") for s in self.sources()
+        )
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else cache.default_cache_dir()
@@ -90,11 +110,28 @@ class PackSpec:
         return Path(self.lock_dir).expanduser() if self.lock_dir else cache.default_lock_dir()
 
 
-def key_fields(spec: PackSpec, source: CorpusSource, tokenizer_dir: Path) -> dict[str, Any]:
+Resolved = list[tuple[SourceSpec, CorpusSource]]
+
+
+def resolve_sources(spec: PackSpec) -> Resolved:
+    out = [(s, resolve_source(s.path, split=s.split, subset=s.subset)) for s in spec.sources()]
+    for s, src in out:
+        if src.kind != "hub" and (s.split or s.subset):
+            raise DataError(
+                f"data source {s.path}: split/subset apply to hub datasets only, and this is a "
+                f"local {src.kind}; drop them or point to the split's own file or directory"
+            )
+    return out
+
+
+def key_fields(spec: PackSpec, sources: Resolved, tokenizer_dir: Path) -> dict[str, Any]:
     """Everything that changes pack content, and nothing else (paths, locks, strict do not)."""
-    return {
-        "corpus": source.fingerprint(),
-        "format": spec.format,
+    fields = {
+        "corpus": [
+            {"fingerprint": src.fingerprint(), "format": s.format or spec.format, **s.key()}
+            for s, src in sources
+        ],
+        "chat_mode": spec.chat_mode,
         "tokenizer": tokenizer_identity(tokenizer_dir),
         "template": TEMPLATE_ID,
         "seq_length": spec.seq_length,
@@ -102,12 +139,32 @@ def key_fields(spec: PackSpec, source: CorpusSource, tokenizer_dir: Path) -> dic
         "segment_cap": segment_cap(spec.seq_length),
         "overlong": spec.overlong,
         "align": 1,  # samples start at any token; kept so a future alignment option cannot alias
+        # Only a real split enters the key, so the keys of unsplit corpora stay as they were.
+        **({"split": f"{spec.split}:{spec.holdout_fraction}"} if _is_split(spec) else {}),
     }
+    if not integral([s for s, _ in sources]):
+        fields["mix_seed"] = spec.seed
+    return fields
+
+
+def _is_split(spec: PackSpec) -> bool:
+    return spec.split != "all" and spec.holdout_fraction > 0
+
+
+def _split_rows(spec: PackSpec, source: CorpusSource) -> list:
+    """The source's rows of the spec's split (evaluation rows are held out per source)."""
+    rows = read_rows(source)
+    if not _is_split(spec):
+        return rows
+    return holdout.select(
+        rows, fraction=spec.holdout_fraction, split=spec.split, where=source.describe()
+    )
 
 
 def pack_key(spec: PackSpec) -> str:
-    source = resolve_source(spec.data)
-    return cache.cache_key(key_fields(spec, source, resolve_tokenizer_dir(spec.tokenizer)))
+    return cache.cache_key(
+        key_fields(spec, resolve_sources(spec), resolve_tokenizer_dir(spec.tokenizer))
+    )
 
 
 class _Progress:
@@ -130,21 +187,91 @@ class _Progress:
             self._bar = None
 
 
+@dataclass(kw_only=True)
+class _Table:
+    """Every selected sample of every source, over the sources' concatenated token streams."""
+
+    tokens: np.ndarray  # uint32 [T] all sources' rendered samples, each source once
+    supervised: np.ndarray  # bool [T]
+    starts: np.ndarray  # int64 [N] per selected sample (a weight > 1 repeats samples)
+    lengths: np.ndarray  # int64 [N]
+    rows: np.ndarray  # int64 [N] global row (rows of source k follow those of source k-1)
+    source: np.ndarray  # int64 [N] source index
+    info: list[dict[str, Any]] = field(default_factory=list)  # per source, for the stats
+
+
+def _source_info(s: SourceSpec, src: CorpusSource, r: Any, row_offset: int) -> dict[str, Any]:
+    return {
+        "path": src.describe(),
+        "format": r.format,
+        "weight": s.weight,
+        "rows": r.num_rows,
+        "row_offset": row_offset,
+        "bad_rows": r.bad_rows,
+        "bad_examples": r.bad_examples,
+        "chat_modes": r.modes,
+    }
+
+
+def _render_sources(
+    spec: PackSpec, sources: Resolved, tokenizer: TextTokenizer, bar: Any
+) -> _Table:
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("tok", "sup", "st", "len", "row", "src")}
+    info, tokens_before, rows_before = [], 0, 0
+    for k, (s, src) in enumerate(sources):
+        r = render(
+            _split_rows(spec, src),
+            tokenizer,
+            fmt=s.format or spec.format,
+            where=src.describe(),
+            chat_mode=spec.chat_mode,
+            strict=spec.strict,
+            progress=bar,
+        )
+        pick = (
+            np.arange(len(r.lengths))
+            if s.weight == 1
+            else weighted_samples(r.rows, s.weight, seed=spec.seed, source_index=k)
+        )
+        starts = np.cumsum(r.lengths) - r.lengths
+        for name, value in (
+            ("tok", r.tokens),
+            ("sup", r.supervised),
+            ("st", starts[pick] + tokens_before),
+            ("len", r.lengths[pick]),
+            ("row", r.rows[pick] + rows_before),
+            ("src", np.full(len(pick), k, dtype=np.int64)),
+        ):
+            parts[name].append(value)
+        info.append(_source_info(s, src, r, rows_before))
+        tokens_before += len(r.tokens)
+        rows_before += r.num_rows
+    cat = {name: np.concatenate(values) for name, values in parts.items()}
+    return _Table(
+        tokens=cat["tok"],
+        supervised=cat["sup"],
+        starts=cat["st"],
+        lengths=cat["len"],
+        rows=cat["row"],
+        source=cat["src"],
+        info=info,
+    )
+
+
 def _limit_lengths(
-    r: Rendered, seq_length: int, overlong: str
-) -> tuple[np.ndarray, dict[str, int]]:
-    """Per-sample kept length (0 = dropped) after the overlong policy; and the counts."""
-    over = r.lengths > seq_length
+    t: _Table, seq_length: int, overlong: str
+) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """Per-sample kept length (0 = dropped) after the overlong policy; targets kept; counts."""
+    over = t.lengths > seq_length
     limit = (
-        np.minimum(r.lengths, seq_length)
+        np.minimum(t.lengths, seq_length)
         if overlong == "truncate"
-        else np.where(over, 0, r.lengths)
+        else np.where(over, 0, t.lengths)
     )
     # Targets left inside the kept prefix; a truncation that cuts every target leaves a sample
     # with nothing to learn, so it is dropped too (counted apart).
-    starts = np.cumsum(r.lengths) - r.lengths
-    targets_cum = np.concatenate([[0], np.cumsum(r.supervised, dtype=np.int64)])
-    kept_targets = targets_cum[starts + limit] - targets_cum[starts]
+    targets_cum = np.concatenate([[0], np.cumsum(t.supervised, dtype=np.int64)])
+    kept_targets = targets_cum[t.starts + limit] - targets_cum[t.starts]
     no_target = (limit > 0) & (kept_targets == 0)
     limit = np.where(no_target, 0, limit)
     counts = {
@@ -152,7 +279,7 @@ def _limit_lengths(
         "dropped_overlong": int(over.sum()) if overlong == "drop" else 0,
         "dropped_no_target": int(no_target.sum()),
     }
-    return limit, counts
+    return limit, kept_targets, counts
 
 
 def _gather_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -185,25 +312,17 @@ def _stats(lengths: np.ndarray, targets: int, pack_offsets: np.ndarray, spec: Pa
 
 
 def _render_and_pack(
-    spec: PackSpec, source: CorpusSource, tokenizer: TextTokenizer, progress: bool | None
-) -> tuple[Rendered, np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
-    """-> (rendered, kept sample ids, their kept lengths, pack order, pack offsets, counts)."""
-    rows = read_rows(source)
+    spec: PackSpec, sources: Resolved, tokenizer: TextTokenizer, progress: bool | None
+) -> tuple[_Table, np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
+    """-> (table, kept sample ids, their kept lengths, pack order, pack offsets, counts)."""
     bar = _Progress(progress)
     try:
-        rendered = render(
-            rows,
-            tokenizer,
-            fmt=spec.format,
-            where=source.describe(),
-            strict=spec.strict,
-            progress=bar,
-        )
-        limit, counts = _limit_lengths(rendered, spec.seq_length, spec.overlong)
+        table = _render_sources(spec, sources, tokenizer, bar)
+        limit, kept_targets, counts = _limit_lengths(table, spec.seq_length, spec.overlong)
         kept = np.flatnonzero(limit > 0)
         if not len(kept):
             raise DataError(
-                f"no sample of {source.describe()} survives seq_length={spec.seq_length} with "
+                f"no sample of {spec.describe()} survives seq_length={spec.seq_length} with "
                 f"overlong={spec.overlong} ({counts}); raise --seq-length or use --overlong "
                 "truncate"
             )
@@ -216,22 +335,41 @@ def _render_and_pack(
         )
     finally:
         bar.close()
-    return rendered, kept, lengths, order, pack_offsets, counts
+    # Per-source stats of what is packed (after weighting and the overlong policy).
+    n = len(table.info)
+    src = table.source[kept]
+    samples = np.bincount(src, minlength=n)
+    tokens = np.bincount(src, weights=lengths, minlength=n)
+    targets = np.bincount(src, weights=kept_targets[kept], minlength=n)
+    for k, info in enumerate(table.info):
+        info.update(
+            samples=int(samples[k]), tokens=int(tokens[k]), supervised_tokens=int(targets[k])
+        )
+    return table, kept, lengths, order, pack_offsets, counts
+
+
+def _merged_bad_rows(info: list[dict[str, Any]]) -> tuple[dict[str, int], list[dict[str, str]]]:
+    bad: dict[str, int] = {}
+    examples: list[dict[str, str]] = []
+    for source in info:
+        for reason, count in source["bad_rows"].items():
+            bad[reason] = bad.get(reason, 0) + count
+        examples.extend(source["bad_examples"])
+    return dict(sorted(bad.items())), examples[:BAD_EXAMPLES]
 
 
 def _build(
-    spec: PackSpec, source: CorpusSource, tokenizer_dir: Path, progress: bool | None
+    spec: PackSpec, sources: Resolved, tokenizer_dir: Path, progress: bool | None
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     tokenizer = load_tokenizer(tokenizer_dir)
-    rendered, kept, lengths, order, pack_offsets, counts = _render_and_pack(
-        spec, source, tokenizer, progress
+    table, kept, lengths, order, pack_offsets, counts = _render_and_pack(
+        spec, sources, tokenizer, progress
     )
-    starts = np.cumsum(rendered.lengths) - rendered.lengths
     # Lay the kept (possibly truncated) samples out in pack order as one stream.
     ordered_lengths = lengths[order]
-    gather = _gather_spans(starts[kept][order], ordered_lengths)
-    tokens = rendered.tokens[gather]
-    targets = rendered.supervised[gather]
+    gather = _gather_spans(table.starts[kept][order], ordered_lengths)
+    tokens = table.tokens[gather]
+    targets = table.supervised[gather]
     sample_offsets = np.zeros(len(order) + 1, dtype=np.int64)
     np.cumsum(ordered_lengths, out=sample_offsets[1:])
     arrays = {
@@ -239,17 +377,25 @@ def _build(
         "supervised": np.packbits(targets),
         "sample_offsets": sample_offsets,
         "pack_offsets": pack_offsets,
-        "sample_rows": rendered.rows[kept][order],
+        "sample_rows": table.rows[kept][order],
     }
     stats = _stats(ordered_lengths, int(targets.sum()), pack_offsets, spec)
+    bad, examples = _merged_bad_rows(table.info)
+    modes: dict[str, int] = {}
+    for info in table.info:
+        for mode, count in info["chat_modes"].items():
+            modes[mode] = modes.get(mode, 0) + count
     stats.update(
         truncated=counts["truncated"],
         dropped=counts["dropped_overlong"] + counts["dropped_no_target"],
         dropped_overlong=counts["dropped_overlong"],
         dropped_no_target=counts["dropped_no_target"],
-        bad_rows=rendered.bad_rows,
-        num_rows=rendered.num_rows,
-        format=rendered.format,
+        bad_rows=bad,
+        bad_row_examples=examples,
+        num_rows=sum(info["rows"] for info in table.info),
+        format=",".join(dict.fromkeys(info["format"] for info in table.info)),
+        chat_modes=dict(sorted(modes.items())),
+        sources=table.info,
     )
     manifest = {"pad_id": tokenizer.special.pad, "stats": stats}
     return arrays, manifest
@@ -293,36 +439,59 @@ def _finish(
     return corpus
 
 
+def _check_strict(spec: PackSpec, corpus: PackedCorpus, key: str) -> None:
+    """--strict on a cache entry built without it: its recorded bad rows are an error."""
+    bad = corpus.stats.get("bad_rows") or {}
+    if not spec.strict or not bad:
+        return
+    first = "; ".join(
+        f"{e['where']}: {e['detail']}" for e in corpus.stats.get("bad_row_examples", [])
+    )
+    raise DataError(
+        f"--strict: the cached packs {key} of {spec.describe()} were built skipping "
+        f"{sum(bad.values())} bad rows ({bad}); first: {first}. Fix the rows or drop --strict"
+    )
+
+
+def _hit(spec: PackSpec, corpus: PackedCorpus, key: str, t0: float) -> PackedCorpus:
+    _check_strict(spec, corpus, key)
+    return _finish(corpus, key=key, hit=True, build_s=0.0, t0=t0)
+
+
+def _data_for_manifest(spec: PackSpec) -> Any:
+    return spec.data if isinstance(spec.data, str) else [asdict(s) for s in spec.sources()]
+
+
 def build_or_load(spec: PackSpec, *, progress: bool | None = None) -> PackedCorpus:
     """The packs for `spec` from the node-local cache, built once per node when missing."""
     t0 = time.perf_counter()
-    source = resolve_source(spec.data)
+    sources = resolve_sources(spec)
     tokenizer_dir = resolve_tokenizer_dir(spec.tokenizer)
-    fields = key_fields(spec, source, tokenizer_dir)
+    fields = key_fields(spec, sources, tokenizer_dir)
     key = cache.cache_key(fields)
     cache_dir = spec.resolved_cache_dir()
     entry = cache.entry_dir(cache_dir, key)
 
     corpus = _try_load(entry, key)
     if corpus is not None:
-        return _finish(corpus, key=key, hit=True, build_s=0.0, t0=t0)
+        return _hit(spec, corpus, key, t0)
 
     lock = cache.lock_path(spec.resolved_lock_dir(), cache_dir, key)
     with cache.node_lock(lock, timeout_s=spec.lock_timeout_s, key=key):
         corpus = _try_load(entry, key)  # built by the process we waited for
         if corpus is not None:
-            return _finish(corpus, key=key, hit=True, build_s=0.0, t0=t0)
-        log.info("pack cache MISS key=%s: building %s into %s", key, source.describe(), cache_dir)
+            return _hit(spec, corpus, key, t0)
+        log.info("pack cache MISS key=%s: building %s into %s", key, spec.describe(), cache_dir)
         t_build = time.perf_counter()
         if cache_dir.exists():
             cache.remove_stale_temps(cache_dir, key)
             cache.discard(entry)  # an invalid entry found above
-        arrays, manifest = _build(spec, source, tokenizer_dir, progress)
+        arrays, manifest = _build(spec, sources, tokenizer_dir, progress)
         manifest.update(
             format_version=cache.FORMAT_VERSION,
             key_fields=fields,
             seq_length=spec.seq_length,
-            data=spec.data,
+            data=_data_for_manifest(spec),
             created_by={"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()},
         )
         manifest["stats"]["cold_build_seconds"] = round(time.perf_counter() - t_build, 3)

@@ -1,14 +1,13 @@
-"""Rows -> token samples with the DeepSeek-V4 chat format, and the supervision of each token.
+"""Rows -> token samples in the DeepSeek-V4 conversation format, with the supervision of each token.
 
-Rendering (special tokens are inserted as ids, never encoded from text):
-    alpaca:   BOS <｜User｜> prompt <｜Assistant｜> response EOS
-              prompt = instruction, plus "\\n\\n" + input when input is non-empty
-    messages: BOS [system text] then per turn: <｜User｜> text | <｜Assistant｜> text EOS
-Supervised tokens (targets) are exactly the assistant texts and their EOS. Prompt and response
-texts are encoded separately and concatenated, so the supervision boundary is exact.
-
-Each sample is a list of pieces (a text or one special id, with a supervised flag); all texts are
-batch-encoded at once and the token stream is assembled from the pieces with numpy gathers.
+Per row: shape -> normalized messages (`shapes`) -> rendered samples with supervised character
+spans (`dsv4_format`). Tokens are those of each sample's whole rendered string. To keep that
+fast, a sample is cut at its supervision boundaries and the pieces are batch-encoded: when every
+cut touches a special token (the usual case: prompts end with `</think>`, `<think>` or a task
+token, completions with EOS), the tokenizer splits there anyway (added tokens are matched before
+BPE and this tokenizer has no normalizer and no lstrip/rstrip), so the pieces' ids concatenate to
+exactly the whole string's ids. A sample with a cut inside plain text (e.g. a completion right
+after a `latest_reminder` text) is encoded whole and its targets taken from token offsets.
 """
 
 from __future__ import annotations
@@ -20,218 +19,200 @@ from typing import Any
 
 import numpy as np
 
+from primus_v4.data import dsv4_format, shapes
 from primus_v4.data.corpus import NOT_JSON, RawRow
-from primus_v4.data.tokenizer import SpecialIds, TextTokenizer
+from primus_v4.data.shapes import BadRow
+from primus_v4.data.tokenizer import TextTokenizer
 from primus_v4.errors import DataError
 from primus_v4.log import get_logger
 
 log = get_logger(__name__)
 
 # Part of the cache key: bump when rendering changes for the same rows and tokenizer.
-TEMPLATE_ID = "deepseek_v4_chat/v1"
-FORMATS = ("alpaca", "messages", "auto")
-_ROLES = ("system", "user", "assistant")
+TEMPLATE_ID = "deepseek_v4_encoding/v2"
+FORMATS = (*shapes.SHAPES, "auto")
+# The stats' chat-mode count of rows whose reasoning a forced chat mode does not render.
+CHAT_WITHOUT_REASONING = "chat, reasoning not rendered"
+CHAT_MODES = dsv4_format.CHAT_MODES
+# Bad rows whose file and line are kept (stats and the warning) besides the counts.
+BAD_EXAMPLES = 5
 
-# Why a row is skipped (stats "bad_rows" keys) and how --strict words it.
+# Why a row is skipped (stats "bad_rows" keys).
 BAD_REASONS = {
     "not_json": "not valid JSON",
     "not_an_object": "not a JSON object",
     "missing_field": "missing a required field",
     "bad_field_type": "a field has the wrong type",
-    "empty_response": "the response is empty",
-    "bad_messages": "messages is not a list of {role, content} turns",
+    "bad_messages": "a message is malformed (not an object, or no content where needed)",
+    "bad_role": "a message has an unknown role",
+    "unknown_key": "a message has a key the format does not render",
+    "misplaced_field": "a message carries a field its role cannot have",
+    "unread_field": "a content field the row's format does not read",
+    "unsupported_content": "a content part that is not text",
+    "bad_tools": "tools are not a list of function schemas",
+    "bad_tool_call": "a tool call has no name or unusable arguments",
+    "bad_task": "a user task is not a known task",
+    "no_target": "no assistant turn to train on",
+    "empty_response": "every assistant turn to train on is empty",
 }
-
-
-class _BadRow(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-
-
-@dataclass(kw_only=True)
-class _Pieces:
-    """Flat per-piece arrays over all samples, in sample order."""
-
-    texts: list[str] = field(default_factory=list)
-    text_of_piece: list[int] = field(default_factory=list)  # index into texts, -1 = special
-    special_of_piece: list[int] = field(default_factory=list)  # the id when text_of_piece == -1
-    supervised: list[bool] = field(default_factory=list)
-    sample_of_piece: list[int] = field(default_factory=list)
-
-    def text(self, sample: int, text: str, *, supervised: bool) -> None:
-        self.text_of_piece.append(len(self.texts))
-        self.texts.append(text)
-        self.special_of_piece.append(-1)
-        self.supervised.append(supervised)
-        self.sample_of_piece.append(sample)
-
-    def mark(self) -> tuple[int, int]:
-        return len(self.texts), len(self.text_of_piece)
-
-    def rollback(self, mark: tuple[int, int]) -> None:
-        texts, pieces = mark
-        del self.texts[texts:]
-        for column in (
-            self.text_of_piece,
-            self.special_of_piece,
-            self.supervised,
-            self.sample_of_piece,
-        ):
-            del column[pieces:]
-
-    def special(self, sample: int, token_id: int, *, supervised: bool) -> None:
-        self.text_of_piece.append(-1)
-        self.special_of_piece.append(token_id)
-        self.supervised.append(supervised)
-        self.sample_of_piece.append(sample)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Rendered:
-    """Samples as one token stream (original row order, before any truncation)."""
+    """Samples as one token stream (row order, before any truncation)."""
 
     tokens: np.ndarray  # uint32 [T]
-    supervised: np.ndarray  # bool [T]: token is a target (assistant text or its EOS)
+    supervised: np.ndarray  # bool [T]: token is a target (an assistant completion)
     lengths: np.ndarray  # int64 [N]
     rows: np.ndarray  # int64 [N]: 0-based index of each sample's source row
-    format: str  # the resolved format (alpaca or messages)
+    format: str  # the resolved shape
     bad_rows: dict[str, int]
+    bad_examples: list[dict[str, str]]  # the first few bad rows: where, reason, detail
     num_rows: int
+    modes: dict[str, int] = field(default_factory=dict)  # rows rendered per chat mode
 
 
-def detect_format(rows: Sequence[RawRow], where: str) -> str:
-    """`messages` or `alpaca` from the keys of the first object rows."""
-    seen: set[str] = set()
-    for row in rows[:100]:
-        if not isinstance(row.value, dict):
-            continue
-        if "messages" in row.value:
-            return "messages"
-        if "instruction" in row.value and "output" in row.value:
-            return "alpaca"
-        seen.update(row.value)
-    raise DataError(
-        f"cannot detect the format of {where}: no row has 'messages' or 'instruction'+'output' "
-        f"(keys seen: {sorted(seen)[:12]}); pass --format alpaca|messages"
-    )
+def resolve_format(rows: Sequence[RawRow], fmt: str, where: str) -> str:
+    if fmt not in FORMATS:
+        raise DataError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if fmt != "auto":
+        log.info("%s: format %s (forced)", where, fmt)
+        return fmt
+    shape = shapes.detect_shape([r.value for r in rows])
+    if shape is None:
+        seen = sorted({k for r in rows[:100] if isinstance(r.value, dict) for k in r.value})
+        raise DataError(
+            f"cannot detect the format of {where}: no row has 'messages', 'conversations', "
+            f"'instruction'+'output' or 'prompt'+'completion' (keys seen: {seen[:12]}); pass "
+            f"--format {'|'.join(shapes.SHAPES)}"
+        )
+    log.info("%s: format %s (detected from the first rows' keys)", where, shape)
+    return shape
 
 
-def _string_field(row: dict[str, Any], name: str, *, required: bool) -> str:
-    value = row.get(name)
-    if value is None:
-        if required:
-            raise _BadRow("missing_field", f"missing field {name!r}")
-        return ""
-    if not isinstance(value, str):
-        raise _BadRow("bad_field_type", f"field {name!r} is {type(value).__name__}, not a string")
-    return value
+def row_samples(
+    value: Any, shape: str, chat_mode: str
+) -> tuple[str, list[tuple[str, list[tuple[int, int]]]]]:
+    """One row -> (chat mode used, samples as (text, supervised char spans)); raises BadRow.
+
+    The mode reads CHAT_WITHOUT_REASONING for a row with reasoning rendered in forced chat mode.
+    """
+    if not isinstance(value, dict):
+        raise BadRow("not_an_object", f"a {type(value).__name__}, not a JSON object")
+    messages = shapes.row_messages(value, shape)
+    shapes.check_trainable(messages)
+    thinking = any(m.get("reasoning_content") for m in messages if m["role"] == "assistant")
+    mode = ("thinking" if thinking else "chat") if chat_mode == "auto" else chat_mode
+    label = CHAT_WITHOUT_REASONING if mode == "chat" and thinking else mode
+    if mode == "chat":
+        plain = dsv4_format.plain_chat_samples(messages)
+        if plain is not None:
+            return label, plain
+    merged = dsv4_format.merge_tool_messages(messages)
+    dsv4_format.sort_tool_results(merged)
+    return label, dsv4_format.conversation_samples(merged, mode)
 
 
-def _alpaca(row: dict[str, Any], n: int, out: _Pieces, ids: SpecialIds) -> None:
-    instruction = _string_field(row, "instruction", required=True)
-    context = _string_field(row, "input", required=False)
-    response = _string_field(row, "output", required=True)
-    if not response.strip():
-        raise _BadRow("empty_response", "field 'output' is empty")
-    prompt = f"{instruction}\n\n{context}" if context.strip() else instruction
-    out.special(n, ids.bos, supervised=False)
-    out.special(n, ids.user, supervised=False)
-    out.text(n, prompt, supervised=False)
-    out.special(n, ids.assistant, supervised=False)
-    out.text(n, response, supervised=True)
-    out.special(n, ids.eos, supervised=True)
+@dataclass(kw_only=True)
+class _Collected:
+    texts: list[str] = field(default_factory=list)  # fast-path pieces, in sample order
+    piece_supervised: list[bool] = field(default_factory=list)
+    piece_sample: list[int] = field(default_factory=list)
+    whole: dict[int, tuple[str, list[tuple[int, int]]]] = field(default_factory=dict)
+    rows: list[int] = field(default_factory=list)
+    bad: Counter[str] = field(default_factory=Counter)
+    examples: list[dict[str, str]] = field(default_factory=list)
+    modes: Counter[str] = field(default_factory=Counter)
 
 
-def _check_turns(row: dict[str, Any]) -> list[tuple[str, str]]:
-    messages = row.get("messages")
-    if messages is None:
-        raise _BadRow("missing_field", "missing field 'messages'")
-    if not isinstance(messages, list):
-        raise _BadRow("bad_messages", "field 'messages' is not a list")
-    turns: list[tuple[str, str]] = []
-    for i, turn in enumerate(messages):
-        if not isinstance(turn, dict) or turn.get("role") not in _ROLES:
-            raise _BadRow("bad_messages", f"turn {i} has no role in {_ROLES}")
-        content = turn.get("content")
-        if not isinstance(content, str):
-            raise _BadRow("bad_messages", f"turn {i} content is not a string")
-        turns.append((turn["role"], content))
-    # Turns after the last assistant reply carry no target; keep the sample without them.
-    last = max((i for i, (role, _) in enumerate(turns) if role == "assistant"), default=-1)
-    if last < 0 or not turns[last][1].strip():
-        raise _BadRow("empty_response", "no non-empty assistant turn ends the conversation")
-    return turns[: last + 1]
-
-
-def _messages(row: dict[str, Any], n: int, out: _Pieces, ids: SpecialIds) -> None:
-    turns = _check_turns(row)
-    out.special(n, ids.bos, supervised=False)
-    for role, content in turns:
-        if role == "system":
-            out.text(n, content, supervised=False)
-        elif role == "user":
-            out.special(n, ids.user, supervised=False)
-            out.text(n, content, supervised=False)
-        else:
-            out.special(n, ids.assistant, supervised=False)
-            out.text(n, content, supervised=True)
-            out.special(n, ids.eos, supervised=True)
+def _add_sample(
+    out: _Collected, text: str, spans: list[tuple[int, int]], *, split_ok: bool
+) -> None:
+    n = len(out.rows) - 1
+    cuts = [c for span in spans for c in span]
+    specials = dsv4_format.SPECIAL_TEXTS
+    inner = [c for c in cuts if 0 < c < len(text)]
+    if not split_ok or not all(
+        text.startswith(specials, c) or text.endswith(specials, 0, c) for c in inner
+    ):
+        out.whole[n] = (text, spans)
+        return
+    start = 0
+    for a, b in spans:
+        for lo, hi, sup in ((start, a, False), (a, b, True)):
+            if hi > lo:
+                out.texts.append(text[lo:hi])
+                out.piece_supervised.append(sup)
+                out.piece_sample.append(n)
+        start = b
+    if start < len(text):
+        out.texts.append(text[start:])
+        out.piece_supervised.append(False)
+        out.piece_sample.append(n)
 
 
 def _collect(
-    rows: Sequence[RawRow], fmt: str, ids: SpecialIds, *, strict: bool
-) -> tuple[_Pieces, list[int], Counter[str]]:
-    fill = _alpaca if fmt == "alpaca" else _messages
-    pieces = _Pieces()
-    kept: list[int] = []
-    bad: Counter[str] = Counter()
+    rows: Sequence[RawRow], shape: str, chat_mode: str, *, strict: bool, split_ok: bool = True
+) -> _Collected:
+    out = _Collected()
     for index, row in enumerate(rows):
-        mark = pieces.mark()
         try:
             if row.value is NOT_JSON:
-                raise _BadRow("not_json", f"not valid JSON ({row.error})")
-            if not isinstance(row.value, dict):
-                raise _BadRow("not_an_object", f"a {type(row.value).__name__}, not a JSON object")
-            fill(row.value, len(kept), pieces, ids)
-        except _BadRow as exc:
-            pieces.rollback(mark)  # a bad row found mid-render leaves no pieces behind
+                raise BadRow("not_json", f"not valid JSON ({row.error})")
+            mode, samples = row_samples(row.value, shape, chat_mode)
+        except BadRow as exc:
             if strict:
                 raise DataError(
-                    f"{row.where}: {exc.detail} ({fmt} format); fix the row or drop --strict "
+                    f"{row.where}: {exc.detail} ({shape} format); fix the row or drop --strict "
                     "to skip and count bad rows"
                 ) from None
-            bad[exc.reason] += 1
+            out.bad[exc.reason] += 1
+            if len(out.examples) < BAD_EXAMPLES:
+                out.examples.append(
+                    {"where": row.where, "reason": exc.reason, "detail": exc.detail}
+                )
             continue
-        kept.append(index)
-    return pieces, kept, bad
+        out.modes[mode] += 1
+        for text, spans in samples:
+            out.rows.append(index)
+            _add_sample(out, text, spans, split_ok=split_ok)
+    return out
+
+
+def _encode_whole(
+    tokenizer: TextTokenizer, text: str, spans: list[tuple[int, int]]
+) -> tuple[np.ndarray, np.ndarray]:
+    ids, starts = tokenizer.encode_with_offsets(text)
+    sup = np.zeros(len(ids), dtype=bool)
+    for a, b in spans:
+        sup |= (starts >= a) & (starts < b)
+    return ids, sup
 
 
 def _assemble(
-    pieces: _Pieces, flat: np.ndarray, text_lengths: np.ndarray, n: int
+    out: _Collected, tokenizer: TextTokenizer, progress: Callable[[int], None] | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Token stream, supervision and per-sample lengths from pieces (numpy gathers only)."""
-    text_of = np.asarray(pieces.text_of_piece, dtype=np.int64)
-    is_text = text_of >= 0
-    text_starts = np.zeros(len(text_lengths), dtype=np.int64)
-    np.cumsum(text_lengths[:-1], out=text_starts[1:])
-    piece_len = np.ones(len(text_of), dtype=np.int64)
-    piece_len[is_text] = text_lengths[text_of[is_text]]
-    # Specials live after the encoded texts in one source array, one slot per special piece.
-    specials = np.asarray(pieces.special_of_piece, dtype=np.int64)[~is_text].astype(np.uint32)
-    source = np.concatenate([flat, specials])
-    piece_src = np.empty(len(text_of), dtype=np.int64)
-    piece_src[is_text] = text_starts[text_of[is_text]]
-    piece_src[~is_text] = len(flat) + np.arange(len(specials))
-    total = int(piece_len.sum())
-    piece_out = np.cumsum(piece_len) - piece_len
-    gather = np.repeat(piece_src - piece_out, piece_len) + np.arange(total)
-    tokens = source[gather]
-    supervised = np.repeat(np.asarray(pieces.supervised, dtype=bool), piece_len)
-    sample_of = np.asarray(pieces.sample_of_piece, dtype=np.int64)
-    lengths = np.bincount(sample_of, weights=piece_len, minlength=n).astype(np.int64)
-    return tokens, supervised, lengths
+    """Token stream, supervision and per-sample lengths in sample order."""
+    n = len(out.rows)
+    flat, text_lengths = tokenizer.encode_texts(out.texts, on_progress=progress)
+    supervised = np.repeat(np.asarray(out.piece_supervised, dtype=bool), text_lengths)
+    sample_of = np.asarray(out.piece_sample, dtype=np.int64)
+    lengths = np.bincount(sample_of, weights=text_lengths, minlength=n).astype(np.int64)
+    if not out.whole:
+        return flat, supervised, lengths
+    # Rare path: splice the samples encoded whole into their places.
+    whole = {j: _encode_whole(tokenizer, *ts) for j, ts in out.whole.items()}
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    tokens_parts, sup_parts = [], []
+    for j in range(n):
+        if j in whole:
+            ids, sup = whole[j]
+            lengths[j] = len(ids)
+        else:
+            ids, sup = flat[bounds[j] : bounds[j + 1]], supervised[bounds[j] : bounds[j + 1]]
+        tokens_parts.append(ids)
+        sup_parts.append(sup)
+    return np.concatenate(tokens_parts).astype(np.uint32), np.concatenate(sup_parts), lengths
 
 
 def render(
@@ -240,6 +221,7 @@ def render(
     *,
     fmt: str,
     where: str,
+    chat_mode: str = "auto",
     strict: bool = False,
     progress: Callable[[str, int], Callable[[int], None]] | None = None,
 ) -> Rendered:
@@ -247,25 +229,45 @@ def render(
 
     `progress(desc, total)` returns the callback that advances a progress bar by n texts.
     """
-    if fmt not in FORMATS:
-        raise DataError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    resolved = detect_format(rows, where) if fmt == "auto" else fmt
-    pieces, kept, bad = _collect(rows, resolved, tokenizer.special, strict=strict)
-    if bad:
-        log.warning("skipped %d bad rows of %s: %s", sum(bad.values()), where, dict(bad))
-    if not kept:
-        raise DataError(
-            f"no usable row in {where} ({len(rows)} rows, bad: {dict(bad)}) as {resolved} format"
+    if chat_mode not in CHAT_MODES:
+        raise DataError(f"unknown chat mode {chat_mode!r}: expected one of {', '.join(CHAT_MODES)}")
+    shape = resolve_format(rows, fmt, where)
+    out = _collect(rows, shape, chat_mode, strict=strict, split_ok=tokenizer.splits_at_specials)
+    if out.bad:
+        first = "; ".join(f"{e['where']}: {e['detail']}" for e in out.examples)
+        log.warning(
+            "skipped %d bad rows of %s: %s; first: %s",
+            sum(out.bad.values()),
+            where,
+            dict(out.bad),
+            first,
         )
-    on_progress = progress("tokenize", len(pieces.texts)) if progress is not None else None
-    flat, text_lengths = tokenizer.encode_texts(pieces.texts, on_progress=on_progress)
-    tokens, supervised, lengths = _assemble(pieces, flat, text_lengths, len(kept))
+    if out.modes.get(CHAT_WITHOUT_REASONING):
+        log.warning(
+            "%s: %d rows carry reasoning_content that chat mode does not render (as served in "
+            "chat mode); use --chat-mode thinking or auto to train on it",
+            where,
+            out.modes[CHAT_WITHOUT_REASONING],
+        )
+    if not out.rows:
+        raise DataError(
+            f"no usable row in {where} ({len(rows)} rows, bad: {dict(out.bad)}) as {shape} format"
+            + (
+                f"; first: {out.examples[0]['where']}: {out.examples[0]['detail']}"
+                if out.examples
+                else ""
+            )
+        )
+    on_progress = progress("tokenize", len(out.texts)) if progress is not None else None
+    tokens, supervised, lengths = _assemble(out, tokenizer, on_progress)
     return Rendered(
         tokens=tokens,
         supervised=supervised,
         lengths=lengths,
-        rows=np.asarray(kept, dtype=np.int64),
-        format=resolved,
-        bad_rows=dict(sorted(bad.items())),
+        rows=np.asarray(out.rows, dtype=np.int64),
+        format=shape,
+        bad_rows=dict(sorted(out.bad.items())),
+        bad_examples=out.examples,
         num_rows=len(rows),
+        modes=dict(sorted(out.modes.items())),
     )

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from primus_v4.data.dsv4_format import SPECIAL_TEXTS
 from primus_v4.errors import DataError
 
 # DeepSeek-V4 chat specials; used when tokenizer_config.json does not name bos/eos/pad.
@@ -118,6 +119,7 @@ class TextTokenizer:
         except Exception as exc:  # the Rust loader raises plain Exception subclasses
             raise DataError(f"cannot load {tokenizer_dir / 'tokenizer.json'}: {exc}") from exc
         self.special = self._special_ids()
+        self.splits_at_specials = self._splits_at_specials()
 
     def _special_ids(self) -> SpecialIds:
         config: dict[str, Any] = {}
@@ -145,7 +147,21 @@ class TextTokenizer:
                     "template needs it: use a DeepSeek-V4 tokenizer"
                 )
             ids[name] = token_id
+        missing = [t for t in SPECIAL_TEXTS if self._tok.token_to_id(t) is None]
+        if missing:
+            raise DataError(
+                f"tokenizer {self.dir} lacks the DeepSeek-V4 format tokens {missing}: use a "
+                "DeepSeek-V4 tokenizer"
+            )
         return SpecialIds(**ids)
+
+    def _splits_at_specials(self) -> bool:
+        """True when encoding text pieces cut at added tokens gives the whole text's ids: no
+        normalizer (it could see across a cut) and no added token that strips its neighbours.
+        Anything not recognized as such counts as False (samples are then encoded whole)."""
+        plain = repr(self._tok.normalizer) in ("None", "Sequence(normalizers=[])")
+        added = self._tok.get_added_tokens_decoder().values()
+        return plain and not any(t.lstrip or t.rstrip for t in added)
 
     @property
     def vocab_size(self) -> int:
@@ -172,6 +188,12 @@ class TextTokenizer:
             itertools.chain.from_iterable(id_lists), dtype=np.uint32, count=int(lengths.sum())
         )
         return flat, lengths
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """One text -> (uint32 ids, int64 start character of each token)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        starts = np.fromiter((a for a, _ in enc.offsets), dtype=np.int64, count=len(enc.ids))
+        return np.asarray(enc.ids, dtype=np.uint32), starts
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -179,8 +179,12 @@ def save(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any | None = None,
     data: Stateful | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Save a checkpoint of `step` and publish it; collective over all ranks. Returns its dir."""
+    """Save a checkpoint of `step` and publish it; collective over all ranks. Returns its dir.
+    `extra_files`: {name: text} written beside the shards by rank 0 (e.g. the run's config)."""
+    from primus_v4.training import checkpoint_integrity as integrity
+
     root = Path(root)
     final, tmp = step_dir(root, step), root / f".tmp_step_{step:08d}"
     start = time.perf_counter()
@@ -197,6 +201,11 @@ def save(
     # sure no rank is still flushing before the checkpoint is declared complete.
     _barrier()
     if _rank() == 0:
+        for name, text in (extra_files or {}).items():
+            write_durable(tmp / name, text)
+    files = integrity.checksums(tmp)  # collective: each rank hashes its share of the files
+    if _rank() == 0:
+        integrity.write_manifest(tmp, files)
         _publish(root, tmp, final, step)
     _barrier()
     log.info("saved checkpoint %s (%.1f s)", final, time.perf_counter() - start)
@@ -238,11 +247,11 @@ def find_latest(root: str | Path) -> Path | None:
 
 
 def _agreed_latest(root: str | Path) -> Path | None:
-    """Rank 0 decides which checkpoint to load so every rank loads the same one."""
-    found = [str(find_latest(root) or "")] if _rank() == 0 else [""]
-    if dist.is_initialized():
-        dist.broadcast_object_list(found, src=0)
-    return Path(found[0]) if found[0] else None
+    """The newest complete checkpoint whose checksums match, the same on every rank (rank 0
+    lists; damaged ones are reported by file and skipped)."""
+    from primus_v4.training.checkpoint_integrity import newest_intact
+
+    return newest_intact(root)
 
 
 def load_latest(
@@ -252,9 +261,11 @@ def load_latest(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any | None = None,
     data: Stateful | None = None,
+    path: Path | None = None,
 ) -> int | None:
-    """Load the newest complete checkpoint under `root` in place; its step, or None if none."""
-    path = _agreed_latest(root)
+    """Load the newest intact checkpoint under `root` (or `path`, chosen by the caller on every
+    rank) in place; its step, or None if none."""
+    path = path if path is not None else _agreed_latest(root)
     skipped = sorted(p.name for p in Path(root).glob(".tmp_step_*")) if Path(root).is_dir() else []
     if skipped and _rank() == 0:
         log.warning(

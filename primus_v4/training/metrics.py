@@ -33,14 +33,23 @@ class StepMetrics:
     step_seconds: float
     peak_memory_bytes: int
     nan: bool
+    eval_loss: float | None = None
+    """Token-mean loss of the whole evaluation corpus after this step (None: not evaluated)."""
+    eval_mtp_loss: float | None = None
 
     def log_line(self, total_steps: int) -> str:
+        evaluated = (
+            f" | eval loss {self.eval_loss:.4f} mtp {self.eval_mtp_loss:.4f}"
+            if self.eval_loss is not None and self.eval_mtp_loss is not None
+            else ""
+        )
         return (
             f"step {self.step}/{total_steps} loss {self.loss:.4f} mtp {self.mtp_loss:.4f} "
             f"aux {self.aux_loss:.2e} gnorm {self.grad_norm:.3f} lr {self.lr:.2e} "
             f"tok/s {self.tokens_per_s:,.0f} (real {self.real_tokens_per_s:,.0f}, "
             f"sup {self.supervised_tokens_per_s:,.0f}) {self.step_seconds:.2f}s"
             + (" NON-FINITE" if self.nan else "")
+            + evaluated
         )
 
 
@@ -93,20 +102,31 @@ def _json_safe(value: Any) -> Any:
 class MetricsWriter:
     """Appends one JSON object per step to metrics.jsonl, flushed so a crash keeps every row."""
 
-    def __init__(self, path: str | Path, *, append: bool = False) -> None:
+    def __init__(
+        self, path: str | Path, *, append: bool = False, tensorboard_dir: str | Path | None = None
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] = self.path.open("a" if append else "w")
         self.rows: list[StepMetrics] = []
+        self._tensorboard: Any = None
+        if tensorboard_dir is not None:  # the same rows as TensorBoard scalars
+            from primus_v4.training.tensorboard import TensorBoardSink
+
+            self._tensorboard = TensorBoardSink(tensorboard_dir)
 
     def write(self, metrics: StepMetrics) -> None:
         row = {k: _json_safe(v) for k, v in asdict(metrics).items()}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         self.rows.append(metrics)
+        if self._tensorboard is not None:
+            self._tensorboard.write(metrics)
 
     def close(self) -> None:
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -146,7 +166,17 @@ def summarize(
         "supervised_fraction": mean([r.supervised_tokens / max(r.total_tokens, 1) for r in finite]),
         "peak_memory_bytes": max((r.peak_memory_bytes for r in rows), default=0),
         "total_seconds": sum(r.step_seconds for r in rows),
+        **_last_eval(rows),
     }
+
+
+def _last_eval(rows: Sequence[StepMetrics]) -> dict[str, Any]:
+    evaluated = [r for r in rows if r.eval_loss is not None]
+    if not evaluated:
+        return {}
+    last = evaluated[-1]
+    return {"eval_step": last.step, "eval_loss": last.eval_loss,
+            "eval_mtp_loss": last.eval_mtp_loss}  # fmt: skip
 
 
 def format_table(summary: dict[str, Any], title: str = "run summary") -> str:
@@ -165,21 +195,27 @@ def format_table(summary: dict[str, Any], title: str = "run summary") -> str:
 
 
 def plot_loss(rows: Sequence[StepMetrics], path: str | Path) -> Path:
-    """loss.png: loss (and MTP loss) and gradient norm vs step, side by side."""
+    """loss.png: loss (and MTP loss), gradient norm and learning rate vs step, side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r.step for r in rows]
-    fig, (ax_loss, ax_norm) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_loss, ax_norm, ax_lr) = plt.subplots(1, 3, figsize=(14, 4))
     ax_loss.plot(steps, [r.loss for r in rows], label="loss", marker=".")
     if any(r.mtp_loss for r in rows):
         ax_loss.plot(steps, [r.mtp_loss for r in rows], label="mtp loss", alpha=0.7)
+    evaluated = [r for r in rows if r.eval_loss is not None]
+    if evaluated:
+        ax_loss.plot([r.step for r in evaluated], [r.eval_loss for r in evaluated],
+                     label="eval loss", marker="o", linestyle="--")  # fmt: skip
     ax_loss.set(xlabel="step", ylabel="token-mean CE", title="loss")
     ax_loss.legend()
     ax_norm.plot(steps, [r.grad_norm for r in rows], color="tab:red", marker=".")
     ax_norm.set(xlabel="step", ylabel="global grad norm (before clip)", title="grad norm")
+    ax_lr.plot(steps, [r.lr for r in rows], color="tab:green", marker=".")
+    ax_lr.set(xlabel="step", ylabel="learning rate", title="lr")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)

@@ -16,6 +16,7 @@ Where the parallel pieces plug in (identities in one process):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -42,6 +43,8 @@ from primus_v4.training.metrics import (
     plot_loss,
     summarize,
 )
+from primus_v4.training.metrics_history import keep_rows_through, read_history
+from primus_v4.training.preemption import stop_on_signals
 from primus_v4.training.router_bias import RouterBiasUpdate
 from primus_v4.training.runtime import Runtime, init_runtime
 
@@ -70,7 +73,9 @@ def build_model(run: ResolvedRun) -> nn.Module:
     return model.to(dtype=dtype)
 
 
-def build_optimizer(run: ResolvedRun, model: nn.Module) -> tuple[Any, Any]:
+def build_optimizer(
+    run: ResolvedRun, model: nn.Module, total_steps: int | None = None
+) -> tuple[Any, Any]:
     """AdamW with linear warmup then cosine decay to min_lr (primus_v4.training.optim)."""
     from primus_v4.training.optim import build_optimizer as build
 
@@ -80,7 +85,7 @@ def build_optimizer(run: ResolvedRun, model: nn.Module) -> tuple[Any, Any]:
         lr=t.lr,
         min_lr=t.min_lr,
         warmup_steps=t.warmup_steps,
-        total_steps=t.steps,
+        total_steps=total_steps or t.steps,
         weight_decay=t.weight_decay,
         betas=(o.beta1, o.beta2),
         eps=o.eps,
@@ -113,6 +118,11 @@ class TrainResult:
     output_dir: Path
     skipped_steps: int = 0
     artifacts: dict[str, Path] = field(default_factory=dict)
+    stopped_at: int | None = None
+    """The step after which a preemption signal stopped the run (None: it ran to the end)."""
+    stop_signal: str | None = None
+    saved: Path | None = None
+    """The checkpoint written when the run stopped early (None without checkpoint.dir)."""
 
 
 class NonFiniteError(PrimusError):
@@ -129,6 +139,7 @@ class Trainer:
         runtime: Runtime | None = None,
         corpus: Corpus | None = None,
         model: nn.Module | None = None,
+        eval_corpus: Corpus | None = None,
     ) -> None:
         self.run = run
         self.cfg = run.cfg
@@ -141,10 +152,11 @@ class Trainer:
             seed=self.cfg.train.seed,
             shuffle=self.cfg.train.shuffle,
         )
+        self.total_steps = self._total_steps()
         model = model if model is not None else build_model(run)
         self.model = self._parallelize(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = build_optimizer(run, self.model)
+        self.optimizer, self.scheduler = build_optimizer(run, self.model, self.total_steps)
         self.router_bias = RouterBiasUpdate(
             [self.model],
             rate=self.cfg.model.router_bias_update_rate,
@@ -155,7 +167,37 @@ class Trainer:
         self.mtp_scale = float(run.model.mtp_loss_scaling_factor or 0.0)
         self.start_step = 0
         self.skipped_steps = 0
+        self.stopped: tuple[int, str, Path | None] | None = None
         self.checkpoints = self._checkpoints()
+        self.evaluator = self._evaluator(eval_corpus)
+
+    def _evaluator(self, corpus: Corpus | None) -> Any:
+        """Held-out loss (primus_v4.training.evaluation); None without evaluation data."""
+        if corpus is None and self.run.eval_data is None:
+            return None
+        from primus_v4.data.pipeline import build_or_load
+        from primus_v4.training.evaluation import Evaluator
+
+        corpus = corpus if corpus is not None else build_or_load(self.run.eval_data)
+        t = self.cfg.train
+        return Evaluator(
+            corpus, layout=self.cfg.data.layout, interval=t.eval_interval, total_steps=t.steps
+        )
+
+    def _total_steps(self) -> int:
+        """train.steps, or the steps that train.epochs passes over this corpus take (logged)."""
+        from primus_v4.config.resolve import train_steps
+
+        steps = train_steps(self.cfg, self.source.rows_per_epoch)
+        if self.cfg.train.epochs is not None:
+            log.info(
+                "train.epochs=%g: %d steps (%d rows per epoch, global batch %d)",
+                self.cfg.train.epochs,
+                steps,
+                self.source.rows_per_epoch,
+                self.cfg.train.global_batch_size,
+            )
+        return steps
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         """This rank's pipeline stage with its expert shards (one process: unchanged)."""
@@ -291,13 +333,12 @@ class Trainer:
         )
 
     def _checkpoints(self) -> Any:
-        """Interval saves and resume (None when checkpoint.dir is unset)."""
-        ck = self.cfg.checkpoint
-        if ck.dir is None:
+        """Interval saves, keep_last and resume rules (None when checkpoint.dir is unset)."""
+        if self.cfg.checkpoint.dir is None:
             return None
-        from primus_v4.training.checkpoint import CheckpointManager
+        from primus_v4.training.run_checkpoints import RunCheckpoints
 
-        return CheckpointManager(ck.dir, interval=ck.interval, resume=ck.resume)
+        return RunCheckpoints(self.cfg, world=self.run.sizes.world)
 
     def _state(self) -> dict[str, Any]:
         # The data position is the step itself: BatchSource is a pure function of (seed, step).
@@ -312,8 +353,15 @@ class Trainer:
                 write_resolved(self.cfg, self.cfg.checkpoint.dir)
         if self.checkpoints is not None:
             self.start_step = self.checkpoints.load_latest(**self._state()) or 0
+        if main and self.start_step > 0:  # rows after the resumed step are redone: drop them
+            keep_rows_through(out_dir / "metrics.jsonl", self.start_step)
+        tensorboard = out_dir / "tensorboard" if self.cfg.output.tensorboard else None
         writer = (
-            MetricsWriter(out_dir / "metrics.jsonl", append=self.start_step > 0) if main else None
+            MetricsWriter(
+                out_dir / "metrics.jsonl", append=self.start_step > 0, tensorboard_dir=tensorboard
+            )
+            if main
+            else None
         )
         rows: list[StepMetrics] = []
         try:
@@ -326,15 +374,17 @@ class Trainer:
     def _loop(self, rows: list[StepMetrics], writer: MetricsWriter | None) -> None:
         from tqdm import tqdm
 
-        steps = self.cfg.train.steps
+        steps = self.total_steps
         show = self.runtime.is_main and self.cfg.output.progress_bar
         bar = tqdm(
             total=steps, initial=self.start_step, disable=not show, unit="step", dynamic_ncols=True
         )
         self.model.train()
-        with bar, _logging_around(bar):
+        with bar, _logging_around(bar), stop_on_signals(self.runtime.device) as stop:
             for step in range(self.start_step, steps):
                 metrics = self.train_step(step)
+                if self.evaluator is not None and self.evaluator.due(step + 1):
+                    metrics = dataclasses.replace(metrics, **self.evaluator.run(self))
                 rows.append(metrics)
                 if writer is not None:
                     writer.write(metrics)
@@ -345,6 +395,18 @@ class Trainer:
                     self._on_non_finite(metrics)
                 if self.checkpoints is not None:
                     self.checkpoints.maybe_save(step + 1, final=step + 1 == steps, **self._state())
+                if step + 1 < steps and stop.agreed():
+                    self._stop_early(step + 1, stop.signal_name or "a signal")
+                    break
+
+    def _stop_early(self, step: int, signal_name: str) -> None:
+        """Preemption: save now (when checkpoints are on) so a rerun resumes from `step`."""
+        saved = None
+        if self.checkpoints is not None:
+            saved = self.checkpoints.maybe_save(step, final=True, **self._state())
+            saved = saved or self.checkpoints.root / f"step_{step:08d}"  # saved by this step
+        self.stopped = (step, signal_name, saved)
+        log.warning("stopped after step %d on %s", step, signal_name)
 
     def _on_non_finite(self, metrics: StepMetrics) -> None:
         if self.cfg.train.nan_policy == "skip":
@@ -362,14 +424,18 @@ class Trainer:
         )
 
     def _finish(self, rows: list[StepMetrics], out_dir: Path) -> TrainResult:
-        summary = summarize(rows, skipped=self.skipped_steps)
+        # The summary and plot cover the whole run, resumed parts included (metrics.jsonl).
+        history = read_history(out_dir / "metrics.jsonl") if self.runtime.is_main else rows
+        summary = summarize(history, skipped=self.skipped_steps)
         result = TrainResult(rows, summary, out_dir, skipped_steps=self.skipped_steps)
+        if self.stopped is not None:
+            result.stopped_at, result.stop_signal, result.saved = self.stopped
         if self.runtime.is_main:
             result.artifacts["metrics"] = out_dir / "metrics.jsonl"
             result.artifacts["config"] = out_dir / "config.yaml"
-            if self.cfg.output.plot and rows:
-                result.artifacts["plot"] = plot_loss(rows, out_dir / "loss.png")
-            k = loss_window(len(rows))
+            if self.cfg.output.plot and history:
+                result.artifacts["plot"] = plot_loss(history, out_dir / "loss.png")
+            k = loss_window(len(history))
             log.info(
                 "done: %d steps, loss first-%d %.4f -> last-%d %.4f, %.1f s",
                 summary["steps"],

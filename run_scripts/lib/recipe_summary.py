@@ -2,7 +2,8 @@
 
 The recipes print this for DRY_RUN=1: every value comes from the trainer's validated config, so
 what is printed is what would run. Model shape fields come from the trainer's `derived` block
-(the model as built), else `model.overrides`, else the preset file configs/models/<preset>.yaml.
+(the model as built), else `model.overrides`, else the preset file
+primus_v4/configs/models/<preset>.yaml.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import yaml
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+PRESET_DIR = Path(__file__).resolve().parents[2] / "primus_v4" / "configs" / "models"
 
 
 def lookup(config: dict[str, Any], dotted: str, default: Any = None) -> Any:

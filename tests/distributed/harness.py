@@ -130,7 +130,7 @@ def _check_alive(procs: list[Any], done: dict[int, Any], deadline: float) -> Non
 
 
 REPO = Path(__file__).resolve().parents[2]
-TINY_CONFIG = REPO / "configs" / "runs" / "tiny_cpu_thd.yaml"
+TINY_CONFIG = REPO / "primus_v4" / "configs" / "runs" / "tiny_cpu_thd.yaml"
 # The tiny run at seq 512 (256 rows per rank at CP 2 >= the 128 boundary rows), 2 packs a step,
 # 3 steps, quiet: small enough for 4 gloo ranks on 2 cores.
 TINY_SETTINGS = (

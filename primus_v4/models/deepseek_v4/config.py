@@ -4,7 +4,7 @@ Inherited fields used by this model: num_layers, hidden_size, num_attention_head
 (per-head dim, 512), num_query_groups (1: one shared KV latent), layernorm_epsilon,
 init_method_std, num_moe_experts, moe_router_topk, moe_ffn_hidden_size,
 moe_shared_expert_intermediate_size, moe_router_topk_scaling_factor, moe_aux_loss_coeff,
-mtp_num_layers, mtp_loss_scaling_factor. Presets live as YAML in configs/models/.
+mtp_num_layers, mtp_loss_scaling_factor. Presets live as YAML in primus_v4/configs/models/.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ with warnings.catch_warnings():
 
 from primus_v4.errors import ConfigError
 
-PRESET_DIR = Path(__file__).resolve().parents[3] / "configs" / "models"
+# Shipped as package data (pyproject [tool.setuptools.package-data]): wheels carry them too.
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 LAYER_KINDS = {0: "dense", 4: "csa", 128: "hca"}
 
 
@@ -157,7 +158,7 @@ class DeepseekV4Config(TransformerConfig):
 
     @classmethod
     def preset(cls, name: str, **overrides) -> DeepseekV4Config:
-        """Load `configs/models/<name>.yaml`; keyword overrides win over the file."""
+        """Load `primus_v4/configs/models/<name>.yaml`; keyword overrides win over the file."""
         import yaml
 
         path = PRESET_DIR / f"{name}.yaml"

@@ -67,7 +67,9 @@ def test_wrong_type_names_key_and_location(tmp_path: Path) -> None:
         load_config(_write(tmp_path, "train:\n  steps: many\n"))
     with pytest.raises(ConfigError, match=r"data.layout: must be one of \['thd', 'bshd'\]"):
         load_config(overrides=["data.layout=padded"])
-    with pytest.raises(ConfigError, match=r"train.steps: expected int, got bool"):
+    with pytest.raises(ConfigError, match=r"train.global_batch_size: expected int, got bool"):
+        load_config(overrides=["train.global_batch_size=true"])
+    with pytest.raises(ConfigError, match=r"train.steps: expected int \| None, got True"):
         load_config(overrides=["train.steps=true"])
 
 
@@ -135,3 +137,32 @@ def test_default_config_is_the_embedded_file() -> None:
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match=r"does not exist"):
         load_config("/nonexistent/run.yaml")
+
+
+@pytest.mark.parametrize(
+    ("item", "key"),
+    [
+        ("train.lr=inf", "train.lr"),
+        ("train.lr=.nan", "train.lr"),
+        ("optim.eps=-.inf", "optim.eps"),
+        ("data.lock_timeout_s=.inf", "data.lock_timeout_s"),
+        ("model.overrides.init_method_std=.nan", "model.overrides.init_method_std"),
+    ],
+)
+def test_non_finite_floats_are_rejected_with_the_key(item: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"--set {item}: {key}: must be a finite number"):
+        load_config(overrides=[item])
+
+
+def test_config_by_shipped_name_or_by_path(tmp_path: Path) -> None:
+    from primus_v4.config.loader import bundled_run_configs
+
+    assert {"tiny_cpu_thd", "tiny_cpu_bshd"} <= set(bundled_run_configs())
+    bshd = load_config("tiny_cpu_bshd")
+    assert bshd.data.layout == "bshd"
+    # The repository spelling of a shipped config keeps working from any directory.
+    assert load_config("configs/runs/tiny_cpu_bshd.yaml") == bshd
+    own = _write(tmp_path, "train:\n  steps: 7\n")
+    assert load_config(own).train.steps == 7
+    with pytest.raises(ConfigError, match=r"no_such_run.yaml does not exist.*tiny_cpu_thd"):
+        load_config("no_such_run.yaml")

@@ -99,3 +99,32 @@ def test_dry_run_prints_one_json_line(capsys: pytest.CaptureFixture[str]) -> Non
     payload = json.loads(out)
     assert payload["train"]["steps"] == 3 and payload["parallel"]["tp"] == 1
     assert payload["derived"]["packed"] is True and payload["derived"]["num_layers"] == 3
+
+
+def test_data_sources_chat_mode_and_epochs_in_a_config() -> None:
+    from primus_v4.config import dump_yaml, load_config_text
+
+    text = """
+data:
+  path:
+    - {path: a.jsonl, weight: 3}
+    - {path: org/set, split: test, subset: en, format: sharegpt}
+  chat_mode: thinking
+train:
+  steps: null
+  epochs: 2
+"""
+    cfg = load_config_text(text)
+    spec = resolve_run(cfg, world=1).data
+    assert spec.chat_mode == "thinking" and spec.seed == cfg.train.seed
+    assert [(s.path, s.weight, s.split, s.subset, s.format) for s in spec.sources()] == [
+        ("a.jsonl", 3, None, None, None),
+        ("org/set", 1.0, "test", "en", "sharegpt"),
+    ]
+    assert cfg.train.epochs == 2.0 and load_config_text(dump_yaml(cfg)) == cfg
+    with pytest.raises(ConfigError, match=r"data.path: .*unknown keys \['wieght'\]"):
+        load_config(overrides=["data.path=[{path: a.jsonl, wieght: 2}]"])
+    with pytest.raises(ConfigError, match=r"data.chat_mode: must be one of"):
+        load_config(overrides=["data.chat_mode=reasoning"])
+    with pytest.raises(ConfigError, match=r"exactly one of train.steps and train.epochs"):
+        load_config(overrides=["train.steps=null"])

@@ -23,13 +23,16 @@ def test_resolve_source_kinds(tmp_path: Path) -> None:
     assert (s.kind, s.rows, s.seed) == ("synthetic", 50, 3)
     hub = resolve_source("tatsu-lab/alpaca@abc123")
     assert (hub.kind, hub.name, hub.revision) == ("hub", "tatsu-lab/alpaca", "abc123")
-    assert hub.fingerprint() == "hub:tatsu-lab/alpaca@abc123"
+    assert hub.fingerprint() == "hub:tatsu-lab/alpaca@abc123:subset=:split=train"
+    sub = resolve_source("org/set", split="test", subset="en")
+    assert sub.fingerprint() == "hub:org/set@main:subset=en:split=test"
     with pytest.raises(DataError, match="does not exist"):
         resolve_source(str(tmp_path / "absent.jsonl"))
     with pytest.raises(DataError, match="does not exist"):
         resolve_source("./data/alpaca")  # a path, not a hub name
-    with pytest.raises(DataError, match="is a directory"):
-        resolve_source(str(tmp_path))
+    assert resolve_source(str(tmp_path)).kind == "dir"
+    with pytest.raises(DataError, match="holds no"):
+        resolve_source(str(tmp_path)).fingerprint()
     odd = tmp_path / "rows.csv"
     odd.write_text("a,b\n")
     with pytest.raises(DataError, match="unsupported file type"):

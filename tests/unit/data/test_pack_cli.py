@@ -139,3 +139,21 @@ def test_inspect_cache_lists_entries(demo_corpus, capsys: pytest.CaptureFixture[
     items = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     mine = next(i for i in items if i.get("key") == demo_corpus.stats["cache_key"])
     assert mine["num_packs"] == len(demo_corpus) and mine["bytes"] > 0
+
+
+def test_inspect_cache_verify_exits_1_on_a_corrupt_entry(
+    demo_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    copy = tmp_path / "packs" / demo_corpus.entry.name
+    shutil.copytree(demo_corpus.entry, copy)
+    victim = max((p for p in copy.iterdir() if p.suffix == ".npy"), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF  # one flipped byte in the largest array
+    victim.write_bytes(bytes(data))
+    assert main(["inspect", "cache", str(copy.parent)]) == 0  # listing does not read the data
+    capsys.readouterr()
+    assert main(["inspect", "cache", str(copy.parent), "--verify"]) == 1
+    assert "CORRUPT" in capsys.readouterr().out
+    assert main(["inspect", "cache", str(copy.parent), "--verify", "--json"]) == 1

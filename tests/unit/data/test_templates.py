@@ -1,5 +1,5 @@
-"""Template rendering: the supervised tokens are exactly the responses (+ EOS), checked by decoding;
-bad rows are counted by reason or, with strict, reported with file and line."""
+"""Template rendering: the supervised tokens are exactly the completions (+ EOS), checked by
+decoding; bad rows are counted by reason or, with strict, reported with file and line."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ from primus_v4.data.tokenizer import (
     TextTokenizer,
 )
 from primus_v4.errors import DataError
+
+# Chat mode: every answer opens after `<｜Assistant｜></think>` (the prompt's last token).
+OPEN = ASSISTANT_TEXT + "</think>"
 
 
 def _write_jsonl(path: Path, lines: list[str]) -> Path:
@@ -43,12 +46,12 @@ def test_alpaca_render_and_supervision(tmp_path: Path, tokenizer: TextTokenizer)
     assert r.format == "alpaca" and r.rows.tolist() == [0, 1] and r.bad_rows == {}
     tokens, targets = _sample(r, 0)
     assert tokenizer.decode(tokens) == (
-        f"{BOS_TEXT}{USER_TEXT}Add the numbers.\n\n2 and 3{ASSISTANT_TEXT}The sum is 5.{EOS_TEXT}"
+        f"{BOS_TEXT}{USER_TEXT}Add the numbers.\n\n2 and 3{OPEN}The sum is 5.{EOS_TEXT}"
     )
     assert tokenizer.decode(tokens[targets]) == f"The sum is 5.{EOS_TEXT}"
-    assert tokenizer.decode(tokens[~targets]).endswith(ASSISTANT_TEXT)
+    assert tokenizer.decode(tokens[~targets]).endswith(OPEN)
     tokens, targets = _sample(r, 1)  # empty input: no "\n\n" separator
-    assert tokenizer.decode(tokens[~targets]) == f"{BOS_TEXT}{USER_TEXT}Say hi.{ASSISTANT_TEXT}"
+    assert tokenizer.decode(tokens[~targets]) == f"{BOS_TEXT}{USER_TEXT}Say hi.{OPEN}"
     assert tokenizer.decode(tokens[targets]) == f"Hi there!{EOS_TEXT}"
 
 
@@ -68,10 +71,10 @@ def test_messages_supervise_only_assistant_turns(tmp_path: Path, tokenizer: Text
     assert r.format == "messages"
     tokens, targets = _sample(r, 0)
     assert tokenizer.decode(tokens[targets]) == f"Paris.{EOS_TEXT}Rome.{EOS_TEXT}"
-    # The trailing user turn has no reply, so it is not rendered at all.
+    # A sample is the whole conversation: the unanswered user turn is rendered, not supervised.
     assert tokenizer.decode(tokens) == (
-        f"{BOS_TEXT}Be brief.{USER_TEXT}Capital of France?{ASSISTANT_TEXT}Paris.{EOS_TEXT}"
-        f"{USER_TEXT}And Italy?{ASSISTANT_TEXT}Rome.{EOS_TEXT}"
+        f"{BOS_TEXT}Be brief.{USER_TEXT}Capital of France?{OPEN}Paris.{EOS_TEXT}"
+        f"{USER_TEXT}And Italy?{OPEN}Rome.{EOS_TEXT}{USER_TEXT}unanswered{OPEN}"
     )
     assert not targets[0]
 

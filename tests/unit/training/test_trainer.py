@@ -11,6 +11,7 @@ import torch
 from train_fakes import RAGGED_PACKS, FakeCorpus, FakeLM, fake_trainer
 
 from primus_v4.config import load_config
+from primus_v4.errors import ConfigError
 from primus_v4.training.metrics import read_metrics
 from primus_v4.training.trainer import NonFiniteError, Trainer
 
@@ -106,3 +107,15 @@ def test_parameter_without_gradient_checkpoints_and_resumes(tmp_path: Path) -> N
     assert torch.equal(second.model.idle.detach(), torch.ones(4))
     for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_epochs_set_the_number_of_steps(tmp_path: Path) -> None:
+    """train.epochs instead of train.steps: ceil(epochs x packs / global batch) steps."""
+    overrides = ("train.steps=null", "train.epochs=1.5", "train.global_batch_size=2")
+    trainer = fake_trainer(tmp_path, *overrides, "train.warmup_steps=1")  # 4 packs
+    assert trainer.total_steps == 3  # ceil(1.5 x 4 / 2)
+    assert [r.step for r in trainer.train().rows] == [1, 2, 3]
+    with pytest.raises(ConfigError, match=r"exactly one of train\.steps and train\.epochs"):
+        fake_trainer(tmp_path, "train.epochs=2")  # steps still 30 from the config
+    with pytest.raises(ConfigError, match=r"warmup_steps=3 exceeds the 2 steps of train\.epochs=1"):
+        fake_trainer(tmp_path, "train.steps=null", "train.epochs=1", "train.global_batch_size=2")

@@ -1,0 +1,97 @@
+"""Fail before work: every path a run will read or write is checked before data is packed or the
+model is built, so a wrong path costs a second, not a packing pass or a whole run.
+
+Writable means a file can be created there now: in the directory itself when it exists, else in
+its nearest existing parent (where it will be created). The probe file is removed at once and no
+directory is created, so a failed check leaves nothing behind. The probe (not `os.access`) also
+catches read-only mounts and holds for root, for whom permission bits do not apply.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from primus_v4.config.schema import RunConfig
+from primus_v4.errors import ConfigError, DataError
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def writable_problem(path: str | Path) -> str | None:
+    """Why no file can be created in directory `path` (None when one can)."""
+    path = Path(path).expanduser().absolute()
+    base = _nearest_existing(path)
+    if not base.is_dir():
+        what = "exists and is not a directory" if base == path else f"is under the file {base}"
+        return f"{path} {what}"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".primus-v4-write-probe-", dir=base)
+    except OSError as exc:
+        where = "" if base == path else f" (it would be created in {base})"
+        return f"{path} is not writable{where}: {exc.strerror}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def run_directories(cfg: RunConfig) -> dict[str, Path]:
+    """The directories a run writes, by the config key that sets them (defaults resolved)."""
+    from primus_v4.data import cache
+
+    dirs = {"output.dir": Path(cfg.output.dir)}
+    if cfg.checkpoint.dir is not None:
+        dirs["checkpoint.dir"] = Path(cfg.checkpoint.dir)
+    dirs["data.cache_dir"] = (
+        Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else cache.default_cache_dir()
+    )
+    dirs["data.lock_dir"] = (
+        Path(cfg.data.lock_dir).expanduser() if cfg.data.lock_dir else cache.default_lock_dir()
+    )
+    return dirs
+
+
+def path_problems(cfg: RunConfig) -> list[str]:
+    """One line per problem: unwritable output/checkpoint/cache/lock dirs, a missing corpus file
+    or tokenizer. Reads no data and imports no torch."""
+    from primus_v4.data.corpus import resolve_source
+    from primus_v4.data.tokenizer import resolve_tokenizer_dir
+
+    problems = []
+    for key, path in run_directories(cfg).items():
+        problem = writable_problem(path)
+        if problem is not None:
+            problems.append(f"{key}: {problem}; choose a directory you can write to")
+    corpora = [("data.path", cfg.data.path)]
+    corpora += [(key, value) for key, value in _eval_corpora(cfg)]
+    for key, value in corpora:
+        try:
+            resolve_source(value)
+        except DataError as exc:
+            problems.append(f"{key}: {exc}")
+    try:
+        resolve_tokenizer_dir(cfg.data.tokenizer)
+    except DataError as exc:
+        problems.append(f"data.tokenizer: {exc}")
+    if cfg.output.tensorboard:
+        from primus_v4.training import tensorboard
+
+        if not tensorboard.available():
+            problems.append(tensorboard.MISSING)
+    return problems
+
+
+def _eval_corpora(cfg: RunConfig) -> list[tuple[str, str]]:
+    return [("data.eval_path", cfg.data.eval_path)] if cfg.data.eval_path else []
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """Raise one ConfigError listing every path problem, one line each."""
+    problems = path_problems(cfg)
+    if problems:
+        raise ConfigError("\n".join(problems))

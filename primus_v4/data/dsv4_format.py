@@ -1,0 +1,288 @@
+"""The DeepSeek-V4 conversation format: messages -> rendered strings + supervised character spans.
+
+A re-implementation of the release's `encoding_dsv4.py` rendering (see ../shared/FORMAT.md), kept
+message-for-message equal to it, plus the served-context rule that decides what is supervised:
+assistant turn i is served with the prompt `render(messages[:i])`; its completion is
+`render(messages[:i+1])` minus that prompt. The whole conversation is one sample supervising
+every turn whose prompt + completion is a prefix of it; any other supervised turn (thinking mode
+with drop-thinking: reasoning of earlier turns is not rendered) is a sample of its own,
+`render(messages[:i+1])`, supervising only turn i.
+
+Messages here are already normalized (`primus_v4.data.shapes`): plain dicts with `role` and the
+fields below, content always a string (or None), tool calls as {id, name, arguments}.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK = "<think>"
+END_THINK = "</think>"
+DSML = "｜DSML｜"
+LATEST_REMINDER = "<｜latest_reminder｜>"
+TASK_TOKENS = {
+    "action": "<｜action｜>",
+    "query": "<｜query｜>",
+    "authority": "<｜authority｜>",
+    "domain": "<｜domain｜>",
+    "title": "<｜title｜>",
+    "read_url": "<｜read_url｜>",
+}
+# Every special token the renderer itself writes; each must be one token of the tokenizer.
+SPECIAL_TEXTS = (BOS, EOS, USER, ASSISTANT, THINK, END_THINK, DSML, LATEST_REMINDER)
+SPECIAL_TEXTS += tuple(TASK_TOKENS.values())
+CHAT_MODES = ("chat", "thinking", "auto")
+ROLES = ("system", "user", "assistant", "tool", "developer", "latest_reminder")
+
+# The tools preamble the served model sees, byte for byte (golden files tool_call_and_result.*).
+_TOOLS_PREAMBLE = (
+    "## Tools\n\n"
+    "You have access to a set of tools to help answer the user's question. You can invoke tools "
+    f'by writing a "<{DSML}tool_calls>" block like the following:\n\n'
+    f"<{DSML}tool_calls>\n"
+    f'<{DSML}invoke name="$TOOL_NAME">\n'
+    f'<{DSML}parameter name="$PARAMETER_NAME" string="true|false">'
+    f"$PARAMETER_VALUE</{DSML}parameter>\n"
+    "...\n"
+    f"</{DSML}invoke>\n"
+    f'<{DSML}invoke name="$TOOL_NAME2">\n'
+    "...\n"
+    f"</{DSML}invoke>\n"
+    f"</{DSML}tool_calls>\n\n"
+    'String parameters should be specified as is and set `string="true"`. For all other types '
+    '(numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.'
+    "\n\n"
+    f"If thinking_mode is enabled (triggered by {THINK}), you MUST output your complete reasoning "
+    f"inside {THINK}...{END_THINK} BEFORE any tool calls or final response.\n\n"
+    f"Otherwise, output directly after {END_THINK} with tool calls or final response.\n\n"
+    "### Available Tool Schemas\n\n"
+)
+_TOOLS_CLOSING = (
+    "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke "
+    "tool calls.\n"
+)
+_RESPONSE_FORMAT = (
+    "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+)
+
+
+def to_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def tools_block(tools: list[dict[str, Any]]) -> str:
+    """`tools` are function objects ({name, description, parameters}), one JSON line each."""
+    return _TOOLS_PREAMBLE + "\n".join(to_json(t) for t in tools) + _TOOLS_CLOSING
+
+
+def _dsml_call(call: dict[str, Any]) -> str:
+    params = []
+    for key, value in call["arguments"].items():
+        is_str = isinstance(value, str)
+        text = value if is_str else to_json(value)
+        params.append(
+            f'<{DSML}parameter name="{key}" string="{"true" if is_str else "false"}">'
+            f"{text}</{DSML}parameter>"
+        )
+    body = "\n".join(params)
+    return f'<{DSML}invoke name="{call["name"]}">\n{body}\n</{DSML}invoke>'
+
+
+def dsml_block(calls: list[dict[str, Any]]) -> str:
+    invokes = "\n".join(_dsml_call(c) for c in calls)
+    return f"\n\n<{DSML}tool_calls>\n{invokes}\n</{DSML}tool_calls>"
+
+
+def merge_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool results and consecutive user messages become one user turn of blocks (encoder rule:
+    a user message after a user turn that carries a task starts a new turn)."""
+    merged: list[dict[str, Any]] = []
+    for msg in messages:
+        role = msg["role"]
+        prev = merged[-1] if merged and merged[-1]["role"] == "user" else None
+        if role == "tool":
+            block = ("tool", msg["content"], msg.get("tool_call_id") or "")
+            if prev is not None:
+                prev["blocks"].append(block)
+            else:
+                merged.append({"role": "user", "blocks": [block], "task": None})
+        elif role == "user":
+            block = ("text", msg["content"], "")
+            if prev is not None and prev.get("task") is None:
+                prev["blocks"].append(block)
+            else:
+                merged.append({**msg, "blocks": [block]})
+        else:
+            merged.append(msg)
+    return merged
+
+
+def sort_tool_results(messages: list[dict[str, Any]]) -> None:
+    """Order each turn's tool results like the previous assistant's tool_call ids (in place)."""
+    order: dict[str, int] = {}
+    for msg in messages:
+        if msg["role"] == "assistant" and msg.get("tool_calls"):
+            order = {c["id"]: k for k, c in enumerate(msg["tool_calls"]) if c.get("id")}
+        elif msg["role"] == "user":
+            tools = [b for b in msg["blocks"] if b[0] == "tool"]
+            if len(tools) > 1 and order:
+                ranked = iter(sorted(tools, key=lambda b: order.get(b[2], 0)))
+                msg["blocks"] = [next(ranked) if b[0] == "tool" else b for b in msg["blocks"]]
+
+
+def _last_user(messages: list[dict[str, Any]]) -> int:
+    for idx in range(len(messages) - 1, -1, -1):
+        if messages[idx]["role"] in ("user", "developer"):
+            return idx
+    return -1
+
+
+def _system_like(msg: dict[str, Any]) -> str:
+    text = msg.get("content") or ""
+    if msg.get("tools"):
+        text += "\n\n" + tools_block(msg["tools"])
+    if msg.get("response_format") is not None:
+        text += "\n\n" + _RESPONSE_FORMAT + to_json(msg["response_format"])
+    return text
+
+
+def _user_text(msg: dict[str, Any]) -> str:
+    parts = [
+        text if kind == "text" else f"<tool_result>{text}</tool_result>"
+        for kind, text, _ in msg["blocks"]
+    ]
+    return "\n\n".join(parts)
+
+
+def _assistant(idx: int, messages: list[dict[str, Any]], thinking: bool, keep: bool) -> str:
+    msg = messages[idx]
+    calls = dsml_block(msg["tool_calls"]) if msg.get("tool_calls") else ""
+    after_task = idx > 0 and messages[idx - 1].get("task") is not None
+    reasoning = ""
+    if thinking and not after_task and keep:
+        reasoning = (msg.get("reasoning_content") or "") + END_THINK
+    return reasoning + (msg.get("content") or "") + calls + ("" if msg.get("wo_eos") else EOS)
+
+
+def _transition(msg: dict[str, Any], thinking: bool, open_think: bool) -> str:
+    task = msg.get("task")
+    if task is not None:
+        if task != "action":
+            return TASK_TOKENS[task]
+        return ASSISTANT + (THINK if thinking else END_THINK) + TASK_TOKENS[task]
+    if msg["role"] in ("user", "developer"):
+        return ASSISTANT + (THINK if thinking and open_think else END_THINK)
+    return ""
+
+
+def render_segments(messages: list[dict[str, Any]], mode: str) -> list[tuple[int, str]]:
+    """(index into `messages`, rendered text) per rendered message; BOS not included.
+
+    `messages` are merged (merge_tool_messages + sort_tool_results); drop-thinking removes some.
+    """
+    thinking = mode == "thinking"
+    drop = not any(m.get("tools") for m in messages)
+    indexed = list(enumerate(messages))
+    if thinking and drop:
+        last = _last_user(messages)
+        indexed = [
+            (i, m if m["role"] != "assistant" or i >= last else {**m, "reasoning_content": None})
+            for i, m in indexed
+            if i >= last or m["role"] != "developer"
+        ]
+    msgs = [m for _, m in indexed]
+    last = _last_user(msgs)
+    out = []
+    for idx, (orig, msg) in enumerate(indexed):
+        role = msg["role"]
+        if role == "system":
+            text = _system_like(msg)
+        elif role == "developer":
+            text = USER + _system_like(msg)
+        elif role == "user":
+            text = USER + _user_text(msg)
+        elif role == "latest_reminder":
+            text = LATEST_REMINDER + msg["content"]
+        else:
+            text = _assistant(idx, msgs, thinking, keep=not drop or idx > last)
+        nxt = msgs[idx + 1]["role"] if idx + 1 < len(msgs) else None
+        if nxt is None or nxt in ("assistant", "latest_reminder"):
+            text += _transition(msg, thinking, open_think=not drop or idx >= last)
+        out.append((orig, text))
+    return out
+
+
+def supervised_turns(messages: list[dict[str, Any]]) -> list[int]:
+    """Indices (into merged messages) of the assistant turns that are trained on."""
+    return [
+        i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight", 1) != 0
+    ]
+
+
+def plain_chat_samples(
+    messages: list[dict[str, Any]],
+) -> list[tuple[str, list[tuple[int, int]]]] | None:
+    """Chat-mode samples of the common shape, system* (user assistant)+ with text only, built
+    directly (the general path gives the same; this one skips merging and per-message
+    dispatch). None when the conversation has any other shape."""
+    k = 0
+    while k < len(messages) and messages[k]["role"] == "system":
+        if messages[k].get("tools") or messages[k].get("response_format") is not None:
+            return None
+        k += 1
+    if k == len(messages) or (len(messages) - k) % 2:
+        return None
+    parts = [BOS, *(m["content"] or "" for m in messages[:k])]
+    offset = sum(map(len, parts))
+    spans = []
+    for user, answer in zip(messages[k::2], messages[k + 1 :: 2], strict=True):
+        if user["role"] != "user" or user.get("task") is not None or answer["role"] != "assistant":
+            return None
+        if answer.get("tool_calls") or answer.get("wo_eos"):
+            return None
+        prompt = USER + user["content"] + ASSISTANT + END_THINK
+        completion = (answer["content"] or "") + EOS
+        parts += (prompt, completion)
+        offset += len(prompt)
+        if answer.get("weight", 1) != 0:
+            spans.append((offset, offset + len(completion)))
+        offset += len(completion)
+    return [("".join(parts), spans)] if spans else []
+
+
+def conversation_samples(
+    messages: list[dict[str, Any]], mode: str
+) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Samples of one merged conversation: (rendered text, supervised [start, end) char spans).
+
+    Samples without any supervised span are not returned.
+    """
+    segments = render_segments(messages, mode)
+    whole = BOS + "".join(text for _, text in segments)
+    spans: list[tuple[int, int]] = []
+    own: list[tuple[str, list[tuple[int, int]]]] = []
+    turns = supervised_turns(messages)
+    if mode == "chat":
+        # Chat mode renders each message from itself and its neighbours only, so every prefix
+        # render is a prefix of the whole: each turn's completion is its own segment.
+        where, offset = {}, len(BOS)
+        for orig, text in segments:
+            where[orig] = (offset, offset + len(text))
+            offset += len(text)
+        spans = [where[i] for i in turns]
+    else:
+        for i in turns:
+            prefix = render_segments(messages[: i + 1], mode)
+            text = BOS + "".join(t for _, t in prefix)
+            span = (len(text) - len(prefix[-1][1]), len(text))
+            if whole.startswith(text):
+                spans.append(span)
+            else:
+                own.append((text, [span]))
+    samples = [(whole, spans)] if spans else []
+    return samples + own

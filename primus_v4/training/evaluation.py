@@ -1,0 +1,69 @@
+"""Evaluation: token-mean loss and MTP loss of the whole evaluation corpus, forward only.
+
+Every evaluation row (a pack for thd, a sample for bshd) is seen exactly once: data-parallel
+rank r takes rows r, r + dp, ...; CP ranks of one replica split each row like in training. The
+denominators are the supervised-token counts of the whole corpus summed over DP x CP before any
+division (the training loss's rule), so the number is the same under every layout. Ranks whose
+share is one row short run a forward on row 0 and discard it, so every rank runs the same
+number of forwards (expert-parallel all-to-alls stay matched).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from primus_v4.data.thd import ThdBatch
+from primus_v4.training.batches import Corpus
+from primus_v4.training.loss import StepLoss, count_tokens, reduce_counts
+
+
+class Evaluator:
+    """Runs the evaluation of one trainer's model on `corpus`."""
+
+    def __init__(self, corpus: Corpus, *, layout: str, interval: int, total_steps: int) -> None:
+        self.corpus = corpus
+        self.layout = layout
+        self.interval = interval
+        self.total_steps = total_steps
+        self.num_rows = len(corpus) if layout == "thd" else corpus.num_samples
+        if self.num_rows == 0:
+            raise ValueError("the evaluation corpus has no rows")
+
+    def due(self, step: int) -> bool:
+        """After optimizer step `step` (1-based): every `interval` steps and after the last."""
+        return step == self.total_steps or (self.interval > 0 and step % self.interval == 0)
+
+    def _row(self, i: int) -> ThdBatch:
+        return self.corpus.thd_batch(i) if self.layout == "thd" else self.corpus.bshd_batch(i)
+
+    def _share(self, dp_rank: int, dp_size: int) -> tuple[list[ThdBatch], int]:
+        """This replica's rows and how many forwards every rank runs."""
+        mine = [self._row(i) for i in range(dp_rank, self.num_rows, dp_size)]
+        return mine, math.ceil(self.num_rows / dp_size)
+
+    @torch.no_grad()
+    def run(self, trainer: Any) -> dict[str, float]:
+        """{"eval_loss", "eval_mtp_loss"} of the trainer's current weights."""
+        rt = trainer.runtime
+        rows, forwards = self._share(rt.dp_rank, rt.dp_size)
+        local = (
+            trainer.cp.token_counts(rows)
+            if trainer.cp is not None
+            else count_tokens(rows, mtp_depths=trainer.mtp_depths)
+        )
+        step_loss = StepLoss(reduce_counts(local, rt.count_group), mtp_scale=trainer.mtp_scale)
+        was_training = trainer.model.training
+        trainer.model.eval()
+        try:
+            for k in range(forwards):
+                row = rows[k] if k < len(rows) else self._row(0)
+                out = trainer.model(**trainer._model_inputs(row))
+                if k < len(rows):  # the padding forward of a short share is not counted
+                    step_loss.objective(out, samples=row.num_samples)
+        finally:
+            trainer.model.train(was_training)
+        losses = step_loss.reported(group=rt.count_group)
+        return {"eval_loss": losses["loss"], "eval_mtp_loss": losses["mtp_loss"]}
