@@ -44,8 +44,9 @@ def fp8_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _load_rank(rank: int, world: int, directory: str) -> dict:
+def _load_rank(rank: int, world: int, directory: str, ckpt_root: str) -> dict:
     from primus_v4.models.deepseek_v4 import DeepseekV4Model
+    from primus_v4.training.checkpoint import save
 
     ctx = init_parallel(ParallelDims(world=world, pp=2, ep=2), backend="gloo")
     try:
@@ -57,6 +58,8 @@ def _load_rank(rank: int, world: int, directory: str) -> dict:
             weights=lambda m: loads.append(load_rank_weights(m, directory)),
         )  # fmt: skip
         model = done.model
+        # the layout's DCP checkpoint, exported below (with an optimizer, as the trainer saves)
+        save(ckpt_root, step=1, model=model, optimizer=torch.optim.AdamW(model.parameters()))
         return {
             "pp": ctx.pp.rank,
             "ep": ctx.ep.rank,
@@ -90,8 +93,14 @@ def _release_names_of_rank(names: list[str], layers: set[int], first: bool, last
     return keep
 
 
-def test_pp2_ep2_ranks_load_exactly_their_slice(fp8_release: Path) -> None:
-    ranks = run_ranks(_load_rank, 4, str(fp8_release), timeout_s=180)
+@pytest.fixture(scope="module")
+def loaded(fp8_release: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list, Path]:
+    root = tmp_path_factory.mktemp("dcp") / "ckpt"
+    return run_ranks(_load_rank, 4, str(fp8_release), str(root), timeout_s=180), root
+
+
+def test_pp2_ep2_ranks_load_exactly_their_slice(fp8_release: Path, loaded) -> None:
+    ranks = loaded[0]
     ref = load_release(fp8_release, dtype=torch.float32, progress=False).state_dict()
     cfg = read_config(fp8_release)
     specs = plan_stages(pp=2, num_layers=cfg.num_layers, mtp_num_layers=cfg.mtp_num_layers or 0,
@@ -126,3 +135,26 @@ def test_pp2_ep2_ranks_load_exactly_their_slice(fp8_release: Path) -> None:
         assert r["bytes_read"] < r["total"], report
     assert seen == set(ref), set(ref) ^ seen
     print("sharded load, bytes per rank:", json.dumps(report))
+
+
+def test_export_of_the_pp2_ep2_checkpoint_is_the_release_again(
+    fp8_release: Path, loaded, tmp_path: Path
+) -> None:
+    """The DCP checkpoint the 4 ranks wrote (stages + expert shards) exports in one process to
+    the release tensors the model was loaded from: bf16 values of the dequantized weights for
+    the fp8 / fp4 / bf16 kinds, exact for fp32 and int64."""
+    from primus_v4.config import load_config, write_resolved
+    from primus_v4.training.export import export_checkpoint, find_source
+
+    root = loaded[1]
+    run = load_config(overrides=["model.preset=null", f"model.pretrained={fp8_release}"])
+    write_resolved(run, root)
+    summary = export_checkpoint(find_source(root), tmp_path / "out", max_shard_bytes=256 * 1024)
+    assert summary.shards > 1
+    with ReleaseReader(tmp_path / "out") as got, ReleaseReader(fp8_release) as src:
+        assert got.names() == src.names()
+        for name in src.names():
+            want = src.read(name, torch.float32 if src.storage(name) != "int64" else None)
+            if src.storage(name) in ("fp8", "fp4", "bf16"):
+                want = want.to(torch.bfloat16)
+            assert torch.equal(got.read(name), want), name

@@ -58,6 +58,7 @@ __all__ = [
 
 FP8_BLOCK = 128
 FP4_BLOCK = 32
+E8M0 = torch.float8_e8m0fnu  # the scales' dtype (ue8m0: a power of two per block)
 # Tensors a released checkpoint may hold that we skip on purpose: DeepSeek's own converter
 # (inference/convert.py) drops an MTP depth's copies of the shared embedding and LM head.
 IGNORED = (r"^mtp\.\d+\.emb(ed)?\.", r"^mtp\.\d+\.head\.weight$")
@@ -97,9 +98,6 @@ class ReleaseTensor:
                 self.scale_name: ((out, inp // FP4_BLOCK), E8M0),
             }
         return {self.name: (self.shape, STORED_DTYPE[self.kind])}
-
-
-E8M0 = torch.float8_e8m0fnu
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,8 @@ Quantization snaps scales up to powers of two (ue8m0) like the release, so
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -98,17 +100,21 @@ def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
             f"FP4 weight [{n}, {half}] packed ({k} input columns) needs a scale of shape "
             f"[{n}, {k // FP4_BLOCK}] (one per {FP4_BLOCK} columns), got {list(scale.shape)}"
         )
-    work = _work_dtype(dtype)
-    # One gather does decode and scale: the tensor has few distinct scales, so a table of
-    # [distinct scale, byte] -> (low value, high value), each product rounded once as a multiply
-    # would, is small; the index is the byte plus 256 x the scale's slot (int32: embedding()
-    # takes it without an int64 copy).
-    blocks = scale.contiguous().view(torch.uint8)
-    distinct, slot = torch.unique(blocks, return_inverse=True)
-    table = _fp4_pair_table(work)[None] * e8m0_to_float(distinct).to(work)[:, None, None]
-    codes = weight.contiguous().view(torch.uint8).view(n, k // FP4_BLOCK, FP4_BLOCK // 2)
-    index = torch.add(codes, (slot.to(torch.int32) * 256)[:, :, None])
-    return F.embedding(index, table.view(-1, 2)).view(n, k).to(dtype)
+    # One gather does decode and scale: index = scale byte x 256 + packed byte into a table of
+    # every (scale, byte) -> (low value, high value), each product rounded once as a multiply
+    # would (int32 indices: embedding() takes them without an int64 copy).
+    index = weight.contiguous().view(torch.uint8).view(n, k // FP4_BLOCK, FP4_BLOCK // 2)
+    index = index.to(torch.int32)
+    index.add_((scale.contiguous().view(torch.uint8).to(torch.int32) << 8)[:, :, None])
+    table = _fp4_scaled_table(_work_dtype(dtype))
+    return F.embedding(index, table).view(n, k).to(dtype)
+
+
+@functools.cache
+def _fp4_scaled_table(work: torch.dtype) -> torch.Tensor:
+    """[256 scale bytes x 256 packed bytes, 2]: e2m1 pair values times 2^(scale byte - 127)."""
+    scales = e8m0_to_float(torch.arange(256, dtype=torch.uint8)).to(work)
+    return (_fp4_pair_table(work)[None] * scales[:, None, None]).view(-1, 2)
 
 
 def _pow2_exponent(amax: torch.Tensor, limit: float) -> torch.Tensor:

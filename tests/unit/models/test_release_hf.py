@@ -104,6 +104,8 @@ def test_mtp_logits_equal_the_release_formula(case, tmp_path) -> None:
     """x = e_proj(enorm(emb(t+1))) + h_proj(hnorm(h)) per stream, h = the last decoder layer's
     streams before any HyperHead; one block (HF's layer); own hc_head + norm; shared head."""
     t, cfg, n = case["tensors"], case["config"], case["config"]["num_hidden_layers"]
+    if not cfg.get("num_nextn_predict_layers"):
+        pytest.skip("this geometry has no MTP depth")
     eps, length = cfg["rms_norm_eps"], 300
     ids = case["ids"][:length][None]
     hf = load_hf(_mtp_layer_checkpoint(case, tmp_path / "mtp"))

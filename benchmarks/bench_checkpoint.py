@@ -1,0 +1,213 @@
+"""Released-checkpoint load and export against plain safetensors, side by side in one run.
+
+Writes a synthetic release-layout checkpoint (FP8 e4m3 linears + FP4 e2m1 experts with ue8m0
+scales, bf16 / fp32 / int64 rest; >= 1 GiB stored) into a temp dir, then, each case in a fresh
+subprocess (so peaks do not mix) and each twice (best time kept):
+  load     `load_release(dir, dtype=bfloat16)` (dequantize into a whole bf16 model)
+           vs the floor: safetensors `safe_open` + `get_tensor` (+ clone: owned bytes) of every
+           stored tensor, and vs the same read of the model's bf16 export (the same final bytes:
+           FP4 -> bf16 writes 4x the bytes it reads, so the first floor is not reachable)
+  memory   peak RSS of the load vs the bytes of the loaded model's state
+  export   `save_release(model, out, dtype=...)` (bf16, and fp8 incl. quantization)
+           vs safetensors `save_file` of the same bytes in the same shard sizes
+Usage: python benchmarks/bench_checkpoint.py [--layers 11] [--dir /tmp]   (cleans up after)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHARD_BYTES = 1 << 30  # export shards (both sides): bounds what a writer holds at once
+
+
+def _config(layers: int) -> dict:
+    """A release config.json: hidden 1024, 48 experts of 1024, dense/CSA/HCA layers, MTP."""
+    ratios = [0] + [4 if i % 2 else 128 for i in range(1, layers)] + [0]
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "vocab_size": 16384, "hidden_size": 1024, "num_hidden_layers": layers,
+        "num_attention_heads": 8, "head_dim": 128, "qk_rope_head_dim": 64, "q_lora_rank": 512,
+        "o_groups": 2, "o_lora_rank": 256, "num_key_value_heads": 1,
+        "n_routed_experts": 48, "num_experts_per_tok": 4, "moe_intermediate_size": 1024,
+        "n_shared_experts": 1, "routed_scaling_factor": 1.5, "num_hash_layers": 1,
+        "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+        "hidden_act": "silu", "swiglu_limit": 10.0, "tie_word_embeddings": False,
+        "sliding_window": 128, "index_n_heads": 8, "index_head_dim": 64, "index_topk": 64,
+        "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000, "compress_rope_theta": 160000, "num_nextn_predict_layers": 1,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1},
+        "compress_ratios": ratios, "bos_token_id": 0, "eos_token_id": 1,
+    }  # fmt: skip
+
+
+def _write_synthetic(directory: Path, config: dict) -> dict:
+    import torch
+
+    from primus_v4.models.deepseek_v4 import release
+    from primus_v4.models.deepseek_v4.release_io import write_release
+
+    cfg = release.config_from_release(config)
+    table = release.release_tensors(cfg)
+    gen = torch.Generator().manual_seed(0)
+
+    def tensors():
+        for name, r in table.items():
+            if r.kind == "int64":
+                yield name, torch.randint(0, cfg.num_moe_experts, r.shape, generator=gen)
+            else:
+                yield name, torch.randn(r.shape, generator=gen) / math.sqrt(r.shape[-1])
+
+    kinds = {n: r.kind for n, r in table.items()}
+    start = time.perf_counter()
+    summary = write_release(directory, tensors(), kinds, config, dtype="fp8")
+    return {"bytes": summary.total_bytes, "shards": summary.shards,
+            "tensors": len(table), "s": time.perf_counter() - start}  # fmt: skip
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _child_floor_load(directory: str) -> dict:
+    from safetensors import safe_open
+
+    start, total = time.perf_counter(), 0
+    for shard in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                # clone: get_tensor maps the file lazily; a loader must own the bytes
+                t = f.get_tensor(key).clone()
+                total += t.numel() * t.element_size()
+                del t
+    return {"s": time.perf_counter() - start, "bytes": total}
+
+
+def _child_load(directory: str) -> dict:
+    import torch
+
+    from primus_v4.models.deepseek_v4.pretrained import load_release
+
+    base = _rss_bytes()
+    start = time.perf_counter()
+    model = load_release(directory, dtype=torch.bfloat16, progress=False)
+    seconds = time.perf_counter() - start
+    state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return {"s": seconds, "param_bytes": state, "peak_rss": _rss_bytes(), "base_rss": base}
+
+
+def _child_export(directory: str, scratch: str) -> dict:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from primus_v4.models.deepseek_v4.pretrained import load_release, save_release
+
+    model = load_release(directory, dtype=torch.bfloat16, progress=False)
+    out: dict = {}
+    for dtype in ("bfloat16", "fp8"):
+        target = Path(scratch) / f"export_{dtype}"
+        start = time.perf_counter()
+        save_release(model, target, dtype=dtype, max_shard_bytes=SHARD_BYTES, progress=False)
+        ours = time.perf_counter() - start
+        # the floor writes exactly the bytes the export wrote, in final form, shard by shard
+        floor, copy = 0.0, Path(scratch) / f"floor_{dtype}.safetensors"
+        for shard in sorted(target.glob("*.safetensors")):
+            with safe_open(shard, framework="pt") as f:
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            start = time.perf_counter()
+            save_file(tensors, copy, metadata={"format": "pt"})
+            floor += time.perf_counter() - start
+            del tensors
+            copy.unlink()
+        out[dtype] = {"ours_s": ours, "floor_s": floor}
+        if dtype == "fp8":  # the bf16 export stays: the second load floor reads it
+            shutil.rmtree(target)
+    return out
+
+
+def _run_child(*args: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=False
+    )
+    if proc.returncode:
+        raise RuntimeError(f"child {args} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _report(written: dict, floor: list[dict], ours: list[dict], export: dict,
+            bf16: list[dict]) -> None:  # fmt: skip
+    f, o = min(r["s"] for r in floor), min(r["s"] for r in ours)
+    f16 = min(r["s"] for r in bf16)
+    best = min(ours, key=lambda r: r["s"])
+    mem = max(r["peak_rss"] for r in ours)
+    growth = max(r["peak_rss"] - r["base_rss"] for r in ours)
+    params = best["param_bytes"]
+    rows = [
+        ("checkpoint (stored, FP8+FP4)", f"{written['bytes'] / 2**30:.3f} GiB",
+         f"{written['shards']} shards, {written['tensors']} tensors"),
+        ("load: safetensors floor", f"{f:.2f} s", "get_tensor + clone of every stored tensor"),
+        ("load: safetensors bf16 floor", f"{f16:.2f} s",
+         f"the same model as a bf16 checkpoint ({bf16[0]['bytes'] / 2**30:.2f} GiB read)"),
+        ("load: load_release bf16", f"{o:.2f} s",
+         f"{o / f:.2f}x the FP8/FP4 floor (target <= 1.5x), {o / f16:.2f}x the bf16 floor"),
+        ("load: peak RSS", f"{mem / 2**30:.2f} GiB",
+         f"params {params / 2**30:.2f} GiB: {mem / params:.2f}x (target <= 1.3x); growth during "
+         f"the load {growth / 2**30:.2f} GiB = {growth / params:.2f}x"),
+    ]  # fmt: skip
+    for dtype, e in export.items():
+        rows.append((f"export {dtype}: ours", f"{e['ours_s']:.2f} s",
+                     f"safetensors {e['floor_s']:.2f} s: ratio {e['ours_s'] / e['floor_s']:.2f}x "
+                     "(target <= 1.5x)"))  # fmt: skip
+    width = max(len(r[0]) for r in rows)
+    print(f"{'case':<{width}}  {'value':>10}  notes")
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>10}  {note}")
+    checks = [
+        ("load time <= 1.5x safetensors (FP8/FP4 floor)", o / f <= 1.5),
+        ("load time <= 1.5x safetensors (bf16 floor)", o / f16 <= 1.5),
+        ("peak RSS <= 1.3x parameter bytes", mem / params <= 1.3),
+        *((f"export {d} <= 1.5x safetensors", e["ours_s"] / e["floor_s"] <= 1.5)
+          for d, e in export.items()),
+    ]  # fmt: skip
+    for name, ok in checks:
+        print(f"check: {name}: {'PASS' if ok else 'FAIL'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=11, help="decoder layers (11: ~1.08 GiB)")
+    parser.add_argument("--dir", default=None, help="where the temp dir goes (default: $TMPDIR)")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        fn = {"floor": _child_floor_load, "load": _child_load, "export": _child_export}[kind]
+        print(json.dumps(fn(*rest)))
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="bench_checkpoint_", dir=args.dir))
+    try:
+        ckpt = tmp / "release"
+        written = _write_synthetic(ckpt, _config(args.layers))
+        floor, ours = [], []
+        for _ in range(2):  # alternate, best of two: page cache and machine load alike
+            floor.append(_run_child("floor", str(ckpt)))
+            ours.append(_run_child("load", str(ckpt)))
+        export = _run_child("export", str(ckpt), str(tmp))
+        bf16 = [_run_child("floor", str(tmp / "export_bfloat16")) for _ in range(2)]
+        _report(written, floor, ours, export, bf16)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
