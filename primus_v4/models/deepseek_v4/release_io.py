@@ -185,7 +185,10 @@ class ReleaseReader:
                 raise ReleaseFormatError(
                     f"{self.directory / shard}: '{name}' has unsupported dtype {view.get_dtype()}"
                 )
-            self._meta[name] = StoredTensor(shard=shard, dtype=dtype, shape=tuple(view.get_shape()))
+            shape = tuple(view.get_shape())
+            if dtype == torch.float4_e2m1fn_x2:  # safetensors counts 4-bit values; torch pairs
+                shape = (*shape[:-1], shape[-1] // 2)
+            self._meta[name] = StoredTensor(shard=shard, dtype=dtype, shape=shape)
         return self._meta[name]
 
     def names(self) -> list[str]:
