@@ -288,7 +288,8 @@ def _encode(
     target = torch.bfloat16 if storage in ("fp8", "fp4") else _PLAIN_DTYPES.get(storage)
     if target is None:
         raise ReleaseFormatError(f"'{name}': unknown storage '{storage}' (expected {Storage})")
-    return [(name, tensor.detach().to(target).contiguous())]
+    # one pass: cast and lay out contiguously together (exported experts are transposed views)
+    return [(name, tensor.detach().to(target, memory_format=torch.contiguous_format))]
 
 
 def _release_config(config: dict, dtype: ExportDtype) -> dict:
