@@ -288,8 +288,10 @@ def _encode(
     target = torch.bfloat16 if storage in ("fp8", "fp4") else _PLAIN_DTYPES.get(storage)
     if target is None:
         raise ReleaseFormatError(f"'{name}': unknown storage '{storage}' (expected {Storage})")
-    # one pass: cast and lay out contiguously together (exported experts are transposed views)
-    return [(name, tensor.detach().to(target, memory_format=torch.contiguous_format))]
+    # cast and lay out in one pass (exported experts are transposed views); `to` returns a
+    # same-dtype tensor unchanged, hence the contiguous() (a no-op when already contiguous)
+    out = tensor.detach().to(target, memory_format=torch.contiguous_format).contiguous()
+    return [(name, out)]
 
 
 def _release_config(config: dict, dtype: ExportDtype) -> dict:
