@@ -185,7 +185,10 @@ class ReleaseReader:
                 raise ReleaseFormatError(
                     f"{self.directory / shard}: '{name}' has unsupported dtype {view.get_dtype()}"
                 )
-            self._meta[name] = StoredTensor(shard=shard, dtype=dtype, shape=tuple(view.get_shape()))
+            shape = tuple(view.get_shape())
+            if dtype == torch.float4_e2m1fn_x2:  # safetensors counts 4-bit values; torch pairs
+                shape = (*shape[:-1], shape[-1] // 2)
+            self._meta[name] = StoredTensor(shard=shard, dtype=dtype, shape=shape)
         return self._meta[name]
 
     def names(self) -> list[str]:
@@ -285,7 +288,10 @@ def _encode(
     target = torch.bfloat16 if storage in ("fp8", "fp4") else _PLAIN_DTYPES.get(storage)
     if target is None:
         raise ReleaseFormatError(f"'{name}': unknown storage '{storage}' (expected {Storage})")
-    return [(name, tensor.detach().to(target).contiguous())]
+    # cast and lay out in one pass (exported experts are transposed views); `to` returns a
+    # same-dtype tensor unchanged, hence the contiguous() (a no-op when already contiguous)
+    out = tensor.detach().to(target, memory_format=torch.contiguous_format).contiguous()
+    return [(name, out)]
 
 
 def _release_config(config: dict, dtype: ExportDtype) -> dict:

@@ -126,7 +126,8 @@ def _pow2_exponent(amax: torch.Tensor, limit: float) -> torch.Tensor:
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`[N, K]` -> (float8_e4m3fn `[N, K]`, e8m0 `[ceil(N/128), ceil(K/128)]`)."""
-    w, n, k = _block_view(weight.detach().to(torch.float32).contiguous(), FP8_BLOCK, FP8_BLOCK)
+    w = weight.detach().to(torch.float32, memory_format=torch.contiguous_format).contiguous()
+    w, n, k = _block_view(w, FP8_BLOCK, FP8_BLOCK)
     amax = w.abs().amax(dim=(1, 3)).clamp_min(torch.finfo(torch.float32).tiny)
     exponent = _pow2_exponent(amax, FP8_MAX)
     s = torch.ldexp(torch.ones_like(amax), exponent)
@@ -161,7 +162,8 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             f"FP4 needs the input dimension to be a multiple of {FP4_BLOCK}, got [{n}, {k}]"
         )
     # contiguous: exported expert weights are transposed views of ours
-    w = weight.detach().to(torch.float32).contiguous().view(n, k // FP4_BLOCK, FP4_BLOCK)
+    w = weight.detach().to(torch.float32, memory_format=torch.contiguous_format).contiguous()
+    w = w.view(n, k // FP4_BLOCK, FP4_BLOCK)
     amax = w.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny)
     exponent = _pow2_exponent(amax, FP4_MAX)
     s = torch.ldexp(torch.ones_like(amax), exponent)

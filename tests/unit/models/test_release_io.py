@@ -155,3 +155,20 @@ def test_extra_files_travel_with_the_export(tmp_path: Path) -> None:
     out = tmp_path / "out"
     write_release(out, _tensors().items(), KINDS, {}, extra_files=[tok])
     assert (out / "tokenizer.json").read_text() == tok.read_text()
+
+
+def test_fp4_stored_as_float4_x2_reads_like_int8(tmp_path: Path) -> None:
+    """DeepSeek's converter can store experts as float4_e2m1fn_x2 (safetensors "F4", whose
+    header counts 4-bit values): same bytes, same shape and values as the int8 layout."""
+    w = _tensors(2)["layers.0.ffn.experts.0.w1.weight"]
+    q, scale = quantize_fp4(w)
+    for kind, packed in (("i8", q), ("f4", q.view(torch.float4_e2m1fn_x2))):
+        d = tmp_path / kind
+        d.mkdir()
+        save_file({"e.weight": packed, "e.scale": scale}, d / "model.safetensors")
+        (d / "config.json").write_text("{}")
+        with ReleaseReader(d) as reader:
+            assert reader.storage("e.weight") == "fp4" and reader.shape("e.weight") == (64, 96)
+            assert reader.nbytes("e.weight") == 64 * 48 + 64 * 3
+            assert torch.equal(reader.read("e.weight", torch.float32),
+                               dequantize_fp4(q, scale, torch.float32))  # fmt: skip
