@@ -75,7 +75,12 @@ def _write_synthetic(directory: Path, config: dict) -> dict:
 
 
 def _rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    """This process's peak resident set. VmHWM (Linux) belongs to the process's own address
+    space; ru_maxrss would carry the parent's peak over fork + exec."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: KiB
 
 
 def _child_floor_load(directory: str) -> dict:
