@@ -69,22 +69,12 @@ def build_model(run: ResolvedRun) -> nn.Module:
     return model.to(dtype=dtype)
 
 
-def build_optimizer(run: ResolvedRun, model: nn.Module) -> tuple[Any, Any]:
-    """AdamW with linear warmup then cosine decay to min_lr (primus_v4.training.optim)."""
-    from primus_v4.training.optim import build_optimizer as build
+def build_optimizer(run: ResolvedRun, model: nn.Module, ctx: Any = None) -> tuple[Any, Any]:
+    """AdamW on fp32 master weights, state sharded over each parameter's data-parallel replicas
+    (primus_v4.training.zero), with linear warmup then cosine decay to min_lr."""
+    from primus_v4.training.zero import build_sharded_optimizer
 
-    t, o = run.cfg.train, run.cfg.optim
-    return build(
-        model.named_parameters(),
-        lr=t.lr,
-        min_lr=t.min_lr,
-        warmup_steps=t.warmup_steps,
-        total_steps=t.steps,
-        weight_decay=t.weight_decay,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        offload_fraction=o.offload_fraction,
-    )
+    return build_sharded_optimizer(run, model, ctx)
 
 
 @contextmanager
@@ -143,7 +133,7 @@ class Trainer:
         model = model if model is not None else build_model(run)
         self.model = self._parallelize(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = build_optimizer(run, self.model)
+        self.optimizer, self.scheduler = build_optimizer(run, self.model, self.runtime.ctx)
         self.mtp_depths = int(run.model.mtp_num_layers or 0)
         self.cp = self._context_parallel()
         self.mtp_scale = float(run.model.mtp_loss_scaling_factor or 0.0)
@@ -209,6 +199,7 @@ class Trainer:
             self.runtime.count_group,
         )
         step_loss = StepLoss(counts, mtp_scale=self.mtp_scale)
+        self.optimizer.begin(len(rows))  # buckets reduce as the last micro-batch's backward ends
         if self.pipeline is not None:
             self.pipeline.run(
                 [self._model_inputs(row) for row in rows],
@@ -219,26 +210,17 @@ class Trainer:
             for row in rows:
                 out = self.model(**self._model_inputs(row))
                 step_loss.objective(out, samples=row.num_samples).backward()
-        for p in self.params:
-            if p.requires_grad and p.grad is None:
-                # As with megatron's contiguous grad buffer, every trainable parameter has a
-                # gradient (zeros when no token reached it, e.g. an expert nobody routed to):
-                # replicas reduce identical buckets and AdamW state is complete for checkpoints.
-                p.grad = torch.zeros_like(p)
-        if self.runtime.count_group is not None:
-            from primus_v4.parallel.data_parallel import sum_gradients
-
-            sum_gradients(self.params, self.runtime.ctx)
+        # Every trainable parameter has an fp32 gradient (zeros when no token reached it, e.g.
+        # an expert nobody routed to), summed over its replicas into this rank's shard.
+        self.optimizer.reduce_gradients()
         return step_loss
 
     def _clip(self) -> float:
         """Global grad norm before clipping (clip_grad=0: measured, not clipped)."""
-        from primus_v4.parallel.grad_norm import clip_grad_norm
-
-        # Not torch's clip_grad_norm_: parameters split over stages / expert shards need a
-        # reduction, and its float32 norm of the [vocab, hidden] embedding gradient is off by
-        # ~1e-4 relative, more than the parity tests allow between layouts.
-        return clip_grad_norm(self.params, self.runtime.ctx, self.cfg.train.clip_grad or math.inf)
+        # Not torch's clip_grad_norm_: gradients are sharded over replicas, split over stages and
+        # expert shards, and its float32 norm of the [vocab, hidden] embedding gradient is off by
+        # ~1e-4 relative, more than the parity tests allow between layouts (float64 here).
+        return self.optimizer.clip_grad_norm(self.cfg.train.clip_grad or math.inf)
 
     def train_step(self, step: int) -> StepMetrics:
         start = time.perf_counter()
