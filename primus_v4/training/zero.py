@@ -246,6 +246,12 @@ class ShardedAdamW(Optimizer):
             if not s.aliased:
                 s.master.copy_(s.param.detach().view(-1)[s.lo : s.hi])
 
+    def remove_hooks(self) -> None:
+        """Stop routing the parameters' gradients into this optimizer's buffers."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     # -- gradients ------------------------------------------------------------------------
 
     def _hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
