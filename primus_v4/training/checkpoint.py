@@ -279,13 +279,21 @@ def load_latest(
         return None
     state = _train_state(0, model, optimizer, scheduler, data)
     key = f"rank{_rank()}"
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if not any(k.startswith(f"{key}.") for k in saved):
+        # Saved by fewer ranks (a different DP size): this rank keeps its own RNG streams and
+        # data position; the trainer's data position is the step itself.
+        log.warning("checkpoint %s has no per-rank state for rank %d (saved by %s ranks)", path,
+                    _rank(), _saved_world(path))  # fmt: skip
+        del state[key]
     try:
         with _single_process_ok():
             dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except Exception as err:  # DCP raises bare errors; name the checkpoint and the likely cause
         raise PrimusError(
             f"cannot load checkpoint {path} on rank {_rank()}: {err}. It was written by "
-            f"{_saved_world(path)} ranks; resume needs the same model and parallel layout"
+            f"{_saved_world(path)} ranks; resume needs the same model, pipeline and expert "
+            "layout (the trainer's data-parallel size may differ)"
         ) from err
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -304,9 +312,10 @@ def load_latest(
             )
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
-    if data is not None:
+    if data is not None and key in state:
         data.load_state_dict(state[key]["data"])
-    _set_rng_state(state[key]["rng"])
+    if key in state:
+        _set_rng_state(state[key]["rng"])
     step = int(state["step"])
     log.info("resumed from checkpoint %s (step %d)", path, step)
     return step

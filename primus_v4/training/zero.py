@@ -79,6 +79,7 @@ class Slot:
 @dataclass(kw_only=True, eq=False)
 class Bucket:
     axis: Axis
+    index: int
     slots: list[Slot] = field(default_factory=list)
     segment: int = 0  # S
     grad: torch.Tensor | None = None  # fp32 [n * S], rank-major
@@ -188,9 +189,9 @@ class ShardedAdamW(Optimizer):
             slot.chunk = -(-slot.numel // n)
             alone = deferred(slot.param)  # in a bucket of its own, exposed as `main_grad`
             if alone or b is None or b.deferred or b.segment * n * 4 >= bucket_bytes:
-                b = current[slot.expert] = Bucket(axis=axis, deferred=alone)
+                b = current[slot.expert] = Bucket(axis=axis, deferred=alone, index=len(buckets))
                 buckets.append(b)
-            slot.bucket, slot.offset = len(buckets) - 1, b.segment
+            slot.bucket, slot.offset = b.index, b.segment
             b.segment += slot.chunk
             b.slots.append(slot)
             rank = axis.rank

@@ -115,13 +115,15 @@ def load_optimizer_state(opt: ShardedAdamW, loaded: dict[str, Any]) -> None:
     def local(value: Any) -> torch.Tensor:
         return value.to_local() if isinstance(value, DTensor) else value
 
-    opt.refresh_host_copies()
     for s in opt.slots:
         state = opt.state[s.master]
+        # DCP loads into the tensors `optimizer_state` handed out, often these very ones.
         for key in MOMENTS:
             state[key].copy_(local(loaded[f"state.{s.name}.{key}"]))
         if _saves_master(s):
             s.master.copy_(local(loaded[f"state.{s.name}.master"]))
+        elif not s.aliased:
+            s.master.copy_(s.param.detach().view(-1)[s.lo : s.hi])  # a host copy of fp32
         state["step"].copy_(local(loaded[f"state.{s.name}.step"]))
     for i, g in zip(opt._index, opt.param_groups, strict=True):
         g.update(loaded["param_groups"][str(i)])

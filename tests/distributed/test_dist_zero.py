@@ -53,26 +53,42 @@ def _opt_bytes(b: dict[str, int]) -> int:
     return b["master_device"] + b["master_host"] + b["moments_device"] + b["moments_host"]
 
 
-@pytest.mark.parametrize(
-    ("world", "parallel"),
-    [(2, ()), (4, ("parallel.pp=2",)), (4, ("parallel.cp=2",)),
-     (4, ("parallel.cp=2", "parallel.ep=2"))],
-    ids=["dp2", "dp2xpp2", "dp2xcp2", "dp2xcp2xep2"],
-)  # fmt: skip
-def test_sharded_optimizer_matches_one_process(single, world, parallel) -> None:
-    one, one_bytes = single
-    with tempfile.TemporaryDirectory() as tmp:
-        ranks = run_ranks(_rank, world, tmp, parallel, timeout_s=400)
+def _deviation(ref: list[dict], ranks: list[tuple[list[dict], dict]]) -> float:
     worst = 0.0
     for rows, _ in ranks:
-        for a, b in zip(one, rows, strict=True):
+        for a, b in zip(ref, rows, strict=True):
             for key in KEYS:
                 worst = max(worst, abs(b[key] - a[key]) / max(abs(a[key]), 1e-30))
+    return worst
+
+
+def test_dp2_matches_one_process_with_half_the_optimizer_bytes(single) -> None:
+    one, one_bytes = single
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = run_ranks(_rank, 2, tmp, (), timeout_s=400)
+    worst = _deviation(one, ranks)
     per_rank = [_opt_bytes(b) for _, b in ranks]
-    print(f"\n{'x'.join(parallel) or 'dp2'}: max relative deviation {worst:.2e}; optimizer bytes "
-          f"per rank {per_rank} vs one process {_opt_bytes(one_bytes)}")  # fmt: skip
-    # float32: the same math, only summation order over ranks differs (~1e-7 per step).
-    assert worst <= 1e-6
-    if world == 2:
-        # Chunks are ceil(N / 2): half of the state, plus at most one element per parameter.
-        assert all(abs(b / _opt_bytes(one_bytes) - 0.5) < 0.01 for b in per_rank)
+    print(f"\ndp2: max relative deviation {worst:.2e}; optimizer bytes per rank {per_rank} vs "
+          f"one process {_opt_bytes(one_bytes)}")  # fmt: skip
+    assert worst <= 1e-6  # float32, the same math: only summation order over ranks differs
+    # Chunks are ceil(N / 2): half of the state, plus at most one element per parameter.
+    assert all(abs(b / _opt_bytes(one_bytes) - 0.5) < 0.01 for b in per_rank)
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [("parallel.pp=2",), ("parallel.cp=2",), ("parallel.cp=2", "parallel.ep=2")],
+    ids=["pp2", "cp2", "cp2xep2"],
+)
+def test_dp2_matches_dp1_combined_with_other_axes(single, parallel) -> None:
+    """dp=2 on 4 processes vs the same layout at dp=1 on 2 (the optimizer is all that
+    differs), and vs one process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dp1 = run_ranks(_rank, 2, tmp + "/dp1", parallel, timeout_s=400)
+        dp2 = run_ranks(_rank, 4, tmp + "/dp2", parallel, timeout_s=400)
+    worst = _deviation(dp1[0][0], dp2)
+    print(f"\ndp2 x {' x '.join(p.split('.')[1] for p in parallel)}: max relative deviation "
+          f"vs dp1 {worst:.2e}, vs one process {_deviation(single[0], dp2):.2e}; optimizer "
+          f"bytes per rank {[_opt_bytes(b) for _, b in dp2]} vs dp1 "
+          f"{[_opt_bytes(b) for _, b in dp1]}")  # fmt: skip
+    assert worst <= 1e-6  # float32: only the order of the DP sums differs

@@ -1,0 +1,117 @@
+"""`inspect memory` vs the measured peak memory of tiny CPU runs (not a test).
+
+Each case runs 2 steps of the tiny model (full vocab, synthetic corpus) in fresh processes; the
+measured number is the peak RSS of the rank minus its RSS just before the trainer is built
+(after imports and the corpus), i.e. what the plan covers: weights, gradients, optimizer state,
+activations, CE buffers. The plan's device + host total is printed beside it.
+
+    python benchmarks/bench_memory_plan.py            # the comparison table
+    python benchmarks/bench_memory_plan.py --measure  # re-measure memory_plan.SAVED_BYTES
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+CASES = [  # (seq, recompute, dp, offload)
+    (1024, False, 1, 0.0), (2048, False, 1, 0.0), (4096, False, 1, 0.0),
+    (4096, True, 1, 0.0), (2048, True, 1, 0.0), (4096, False, 1, 0.5),
+    (2048, False, 2, 0.0), (4096, False, 2, 0.5), (4096, True, 2, 0.0),
+]  # fmt: skip
+
+
+def _settings(tmp: str, seq: int, recompute: bool, dp: int, offload: float) -> list[str]:
+    items = [
+        "data.path=synthetic:rows=64", f"data.seq_length={seq}",
+        f"data.cache_dir={tmp}/cache", f"data.lock_dir={tmp}/locks",
+        f"train.global_batch_size={dp}", "train.steps=2", "train.warmup_steps=1",
+        f"optim.offload_fraction={offload}", f"output.dir={tmp}/out",
+        "output.progress_bar=false", "output.plot=false",
+    ]  # fmt: skip
+    if recompute:
+        items.append("model.overrides.recompute_granularity=full")
+    return items
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rank(rank: int, world: int, port: int, items: list[str], out: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    torch.set_num_threads(1)
+    from primus_v4.config import load_config, resolve_run
+    from primus_v4.training.trainer import Trainer, build_corpus
+
+    run = resolve_run(load_config(overrides=items), world=world)
+    corpus = build_corpus(run)
+    if world > 1:
+        torch.distributed.init_process_group("gloo")
+    base = _rss()
+    Trainer(run, corpus=corpus).train()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out.put(peak - base)
+
+
+def measured(items: list[str], world: int) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, items, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    values = [queue.get(timeout=900) for _ in procs]
+    for p in procs:
+        p.join()
+    return max(values)
+
+
+def planned(items: list[str], world: int) -> float:
+    from primus_v4.config import load_config, resolve_run
+    from primus_v4.training.memory_plan import plan_memory
+
+    run = resolve_run(load_config(overrides=items), world=world)
+    return max(p.device_total + p.host_total for p in plan_memory(run))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measure", action="store_true")
+    args = parser.parse_args()
+    if args.measure:
+        from primus_v4.models.deepseek_v4 import DeepseekV4Config
+        from primus_v4.training.memory_plan import fit_constants
+
+        for key, value in fit_constants(DeepseekV4Config.preset("tiny", vocab_size=512)).items():
+            print(f"    {key!r}: {value!r},")
+        return
+    print(f"{'seq':>5} {'recompute':>9} {'dp':>3} {'offload':>7} {'plan MiB':>9} "
+          f"{'measured MiB':>12} {'plan/measured':>13}")  # fmt: skip
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for seq, recompute, dp, offload in CASES:
+            items = _settings(tmp, seq, recompute, dp, offload)
+            got, plan = measured(items, dp), planned(items, dp)
+            worst = max(worst, abs(plan / got - 1))
+            print(f"{seq:>5} {recompute!s:>9} {dp:>3} {offload:>7} {plan / 2**20:>9.1f} "
+                  f"{got / 2**20:>12.1f} {plan / got:>13.3f}", flush=True)  # fmt: skip
+    print(f"largest deviation of the plan from the measured peak: {100 * worst:.1f}%")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()

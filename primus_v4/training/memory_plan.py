@@ -1,0 +1,326 @@
+"""Per-rank memory plan of a run before it is launched (`primus-v4 inspect memory`).
+
+Static terms come from the model built on the meta device and cut like the trainer cuts it
+(pipeline stage, experts / ep) and from the optimizer's layout (training.zero): weights in the
+model dtype; fp32 gradient buckets (full size, plus this rank's reduced shard when replicas > 1);
+fp32 masters (none for float32 parameters: they are their own masters) and two fp32 moments for
+this rank's 1/n chunk, split device / host by `optim.offload_fraction`.
+
+Activations are the tensors autograd saves for backward, per token, per layer kind and role,
+MEASURED on CPU (`measure_saved_bytes`: the tiny preset in float32, one sample filling the row,
+saved-tensor hooks attributing every saved storage once to the innermost module running) at three
+sequence lengths and fitted as bytes/token = (a + b S) x unit(cfg) x dtype_bytes / 4, where
+unit is the role's width (attention: heads x head dim, MoE: top-k x expert ffn, mHC: streams x
+hidden, ...). That scaling assumes each role's saved tensors grow with its width, which holds for
+projections and elementwise math; terms that grow with other dimensions (sparse top-k, window)
+are where a Flash-sized plan is least certain. Pipeline stages hold the activations of
+min(micro-batches, pp - stage) micro-batches (1F1B); full recompute keeps each layer's input
+streams plus one layer's activations. The LM head + CE (models/deepseek_v4/loss.py) is counted
+from its code: per CE call it saves d/dh [T, D] and an fp32 d/dW [V, D]; a chunk's fp32 logits
+[C, V] and one [V, D] fp32 product are transient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+GIB = 2**30
+DEVICES_GB = {"MI300X": 192.0, "MI308X": 192.0, "MI355X": 288.0}
+
+# (kind, role) -> (a, b) per unit of the role's width, float32: saved bytes per token of one layer
+# = a + b x S (S tokens in the pack). Measured with `python benchmarks/bench_memory_plan.py
+# --measure` (`fit_constants`: tiny preset, vocab 512, one sample filling rows of 256, 1024 and
+# 4096 tokens, recompute off, least squares).
+SAVED_BYTES: dict[tuple[str, str], tuple[float, float]] = {
+    ("csa", "attention"): (10.346, 0.0021835),
+    ("csa", "block"): (13.284, -5.6199e-07),
+    ("csa", "compressor"): (25.047, -4.7956e-05),
+    ("csa", "moe"): (40.065, 0.0013481),
+    ("csa", "norm"): (21.432, 0.00046503),
+    ("csa", "router"): (49.5, -0.0033482),
+    ("csa", "shared"): (12.0, 0.0022321),
+    ("dense", "attention"): (9.5126, 0.002323),
+    ("dense", "block"): (13.284, -5.6199e-07),
+    ("dense", "moe"): (39.292, 0.0014881),
+    ("dense", "norm"): (20.25, 0.00074405),
+    ("dense", "router"): (50.5, -0.0033482),
+    ("dense", "shared"): (12.0, 0.0022321),
+    ("hca", "attention"): (9.6454, 0.002323),
+    ("hca", "block"): (13.284, -5.6199e-07),
+    ("hca", "compressor"): (15.386, -2.3251e-05),
+    ("hca", "moe"): (39.94, 0.0013481),
+    ("hca", "norm"): (20.282, 0.00074405),
+    ("hca", "router"): (49.5, -0.0033482),
+    ("hca", "shared"): (12.0, 0.0022321),
+    ("model", "model"): (6.3282, -2.3416e-08),
+    ("model", "norm"): (8.0625, 5.1311e-19),
+    ("mtp", "attention"): (9.5126, 0.002323),
+    ("mtp", "block"): (13.284, -5.6199e-07),
+    ("mtp", "moe"): (40.065, 0.0013481),
+    ("mtp", "mtp"): (4.9323, 0.00037202),
+    ("mtp", "norm"): (40.438, 0.00074405),
+    ("mtp", "router"): (50.5, -0.0033482),
+    ("mtp", "shared"): (12.0, 0.0022321),
+}
+
+
+def _unit(cfg: Any, role: str) -> int:
+    units = {
+        "attention": cfg.num_attention_heads * cfg.kv_channels,
+        "compressor": cfg.kv_channels,
+        "indexer": (cfg.index_n_heads or 1) * (cfg.index_head_dim or 1),
+        "moe": (cfg.moe_router_topk or 1) * (cfg.moe_ffn_hidden_size or 1),
+        "shared": cfg.moe_shared_expert_intermediate_size or 1,
+        "router": cfg.num_moe_experts or 1,
+        "norm": cfg.hidden_size,
+    }
+    return units.get(role, cfg.hc_mult * cfg.hidden_size)  # mHC, block, MTP projections
+
+
+_ROLE_OF_CLASS = {
+    "Attention": "attention",
+    "Compressor": "compressor",
+    "Indexer": "indexer",
+    "MoE": "moe",
+    "SharedExpert": "shared",
+    "Router": "router",
+    "HyperMixer": "mhc",
+    "RMSNorm": "norm",
+    "Block": "block",
+    "MTPDepth": "mtp",
+}
+
+
+def measure_saved_bytes(cfg: Any, seq: int) -> dict[tuple[str, str], float]:
+    """Saved-for-backward bytes of one forward of `cfg` (float32, CPU) on one sample of `seq`
+    tokens, by (layer kind, role); kind `model` holds what is outside the decoder layers,
+    except the CE's [V, D] gradient (counted from the code)."""
+    from primus_v4.data.thd import to_packed_seq_params
+    from primus_v4.models.deepseek_v4 import DeepseekV4Model
+    from primus_v4.training.batches import ThdBatch  # noqa: F401  (ThdBatch lives in data.thd)
+
+    torch.manual_seed(0)
+    model = DeepseekV4Model(cfg)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    stack: list[tuple[str, str]] = [("model", "model")]
+    kinds = {id(b): cfg.layer_kind(i) for i, b in enumerate(model.layers)}
+    kinds.update({id(m.block): "mtp" for m in model.mtp})
+    hooks = []
+    for module in model.modules():
+        role = _ROLE_OF_CLASS.get(type(module).__name__)
+        if role is None:
+            continue
+
+        def pre(mod, *_, role=role):
+            kind = kinds.get(id(mod), stack[-1][0]) if role in ("block", "mtp") else stack[-1][0]
+            if role == "mtp":
+                kind = "mtp"
+            stack.append((kind, role))
+
+        def post(*_):
+            stack.pop()
+
+        hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    seen: set[int] = set()
+    out: dict[tuple[str, str], float] = {}
+    vd = cfg.vocab_size * cfg.hidden_size
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen and t.numel() != vd:
+            seen.add(ptr)
+            key = stack[-1]
+            out[key] = out.get(key, 0.0) + t.untyped_storage().nbytes()
+        return t
+
+    batch = _one_sample(seq)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(batch.input_ids_S[None], batch.position_ids_S[None],
+              packed_seq_params=to_packed_seq_params(batch), labels=batch.labels_S[None],
+              loss_mask=batch.loss_mask_S[None],
+              padding_mask=batch.padding_mask_S[None])  # fmt: skip
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def _one_sample(seq: int) -> Any:
+    import numpy as np
+
+    from primus_v4.data.loader import layout, to_thd_batch
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 500, size=seq)
+    targets = np.ones(seq, dtype=bool)
+    return to_thd_batch(layout(tokens, targets, np.array([seq]), seq_length=seq, pad_id=0))
+
+
+def fit_constants(cfg: Any, seqs: tuple[int, ...] = (256, 1024, 4096)) -> dict:
+    """(kind, role) -> (a, b) per unit: saved bytes per token = a + b S, least squares over the
+    measured lengths (one process: T = S)."""
+    import numpy as np
+
+    measured = [measure_saved_bytes(cfg, s) for s in seqs]
+    basis = np.array([[1.0, s] for s in seqs])
+    fitted = {}
+    for key in sorted(set().union(*measured)):
+        per_token = np.array([m.get(key, 0.0) / s for m, s in zip(measured, seqs, strict=True)])
+        coef = np.linalg.lstsq(basis, per_token, rcond=None)[0] / _unit(cfg, key[1])
+        fitted[key] = tuple(float(f"{c:.5g}") for c in coef)
+    return fitted
+
+
+@dataclass(kw_only=True)
+class MemoryPlan:
+    """Bytes per rank: `rows` (name, device bytes, host bytes) and totals."""
+
+    stage: int
+    rows: list[tuple[str, float, float]] = field(default_factory=list)
+    device_bytes: float | None = None
+
+    def add(self, name: str, device: float, host: float = 0.0) -> None:
+        self.rows.append((name, float(device), float(host)))
+
+    @property
+    def device_total(self) -> float:
+        return sum(d for _, d, _ in self.rows)
+
+    @property
+    def host_total(self) -> float:
+        return sum(h for _, _, h in self.rows)
+
+    def table(self) -> str:
+        lines = [f"pipeline stage {self.stage}: {'':40} {'device GiB':>11} {'host GiB':>10}"]
+        for name, d, h in self.rows:
+            lines.append(f"  {name:<54} {d / GIB:>11.3f} {h / GIB:>10.3f}")
+        lines.append(
+            f"  {'total':<44} {self.device_total / GIB:>11.3f} {self.host_total / GIB:>10.3f}"
+        )
+        if self.device_bytes:
+            share = 100 * self.device_total / self.device_bytes
+            lines.append(
+                f"  device memory {self.device_bytes / GIB:.0f} GiB: plan uses {share:.1f}%"
+            )
+        return "\n".join(lines)
+
+
+def _dtype_bytes(run: Any) -> int:
+    return 2 if run.cfg.model.dtype == "bfloat16" else 4
+
+
+def _stage_of(name: str, specs: list[Any], has_mtp: bool) -> set[int]:
+    """Stages holding parameter `name` (the MTP embedding copy sits on the first and last)."""
+    last = len(specs) - 1
+    if name.startswith("layers."):
+        layer = int(name.split(".")[1])
+        return {s.index for s in specs if layer in s.decoder_layers}
+    if name.startswith("embedding."):
+        return {0, last} if has_mtp else {0}
+    return {last}
+
+
+def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]) -> None:
+    """Weights, fp32 gradient buckets, masters and moments of one stage's parameters."""
+    from primus_v4.training.optim import pick_offloaded
+
+    sizes, cfg, d = run.sizes, run.cfg, _dtype_bytes(run)
+    dp_cp = sizes.world // (sizes.pp * sizes.cp) * sizes.cp
+    expert_dp = sizes.world // (sizes.ep * sizes.pp)
+    weights = sum(numel for _, numel, _ in params) * d
+    chunks, padded, shards = [], 0, 0
+    for _, numel, expert in params:
+        n = expert_dp if expert else dp_cp
+        c = math.ceil(numel / n)
+        chunks.append(c)
+        padded += n * c
+        shards += c if n > 1 else 0
+    host = pick_offloaded([torch.empty(c, device="meta") for c in chunks],
+                          cfg.optim.offload_fraction)  # fmt: skip
+    on_host = sum(chunks[i] for i in host)
+    on_dev = sum(chunks) - on_host
+    plan.add(f"weights ({cfg.model.dtype})", weights)
+    plan.add("fp32 gradient buckets (+ reduced shard)", 4 * (padded + shards))
+    if d != 4:
+        plan.add("fp32 master chunks", 4 * on_dev, 4 * on_host)
+    elif on_host:
+        plan.add("fp32 master chunks (host copies)", 0, 4 * on_host)
+    plan.add("fp32 Adam moments (2 per chunk)", 8 * on_dev, 8 * on_host)
+    biggest = max(numel for _, numel, _ in params)
+    # A parameter's own-dtype gradient lives until its hook adds it to the bucket; the all-gather
+    # after the step holds one bucket's send and receive buffers.
+    from primus_v4.parallel.data_parallel import BUCKET_BYTES
+
+    plan.add("transient: one param grad + gather buffers", biggest * d + 2 * BUCKET_BYTES * d / 4)
+
+
+def layer_bytes(cfg: Any, kind: str, tokens: int, seq: int, dtype_bytes: int) -> float:
+    """Saved activations of one layer of `kind` for `tokens` rows of a `seq`-token pack."""
+    per_token = sum((a + b * seq) * _unit(cfg, role)
+                    for (k, role), (a, b) in SAVED_BYTES.items() if k == kind)  # fmt: skip
+    # Roles split a layer's storages by who saved them first; only the layer's sum is physical.
+    return max(per_token, 0.0) * tokens * dtype_bytes / 4
+
+
+def _activation_rows(plan: MemoryPlan, run: Any, spec: Any, micro_batches: int) -> None:
+    cfg, sizes, d = run.model, run.sizes, _dtype_bytes(run)
+    seq = run.cfg.data.seq_length
+    t = seq // sizes.cp
+    pp, r = sizes.pp, spec.index
+    in_flight = 1 if pp == 1 else (min(micro_batches, pp - r) if micro_batches >= pp
+                                   else micro_batches)  # fmt: skip
+    kinds = [cfg.layer_kind(i) for i in spec.decoder_layers] + ["mtp"] * len(spec.mtp_depths)
+    full = {k: layer_bytes(cfg, k, t, seq, d) for k in set(kinds)}
+    recompute = getattr(cfg, "recompute_granularity", None) == "full"
+    for kind in sorted(set(kinds)):
+        n = kinds.count(kind)
+        each = t * cfg.hc_mult * cfg.hidden_size * d if recompute else full[kind]
+        what = "input streams (recompute)" if recompute else "saved activations"
+        plan.add(f"{n} {kind} layers: {what} x {in_flight} micro-batch", n * each * in_flight)
+    if kinds:
+        top = max(full.values())
+        plan.add("backward working set (one layer)" + (" + its recompute" if recompute else ""),
+                 top * (2 if recompute else 1))  # fmt: skip
+    if spec.has_loss:
+        model_level = layer_bytes(cfg, "model", t, seq, d)
+        calls = 1 + len(spec.mtp_depths)
+        v, dim = cfg.vocab_size, cfg.hidden_size
+        plan.add(f"head, CE: {calls} calls save fp32 dW [V, D] + streams", in_flight
+                 * (calls * v * dim * 4 + model_level))  # fmt: skip
+        chunk = min(cfg.ce_chunk_size, t)
+        plan.add(f"CE chunk transient: fp32 logits [{chunk}, V] + dW product",
+                 chunk * v * 4 + v * dim * 4)  # fmt: skip
+
+
+def plan_memory(run: Any, *, device_gb: float | None = None) -> list[MemoryPlan]:
+    """One `MemoryPlan` per pipeline stage for the resolved `run` (its world size and layout)."""
+    from primus_v4.parallel.pipeline import plan_stages
+    from primus_v4.training.trainer import build_model
+
+    cfg, sizes = run.model, run.sizes
+    model = build_model(run)
+    specs = plan_stages(pp=sizes.pp, num_layers=cfg.num_layers,
+                        mtp_num_layers=cfg.mtp_num_layers or 0,
+                        layout=run.cfg.parallel.pp_layout)  # fmt: skip
+    has_mtp = bool(cfg.mtp_num_layers)
+    per_stage: list[list[tuple[str, int, bool]]] = [[] for _ in specs]
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        expert = sizes.ep > 1 and name.rsplit(".", 1)[-1] in ("w_gate_up", "w_down")
+        numel = p.numel() // (sizes.ep if expert else 1)
+        for s in _stage_of(name, specs, has_mtp):
+            per_stage[s].append((name, numel, expert))
+    dp = sizes.world // (sizes.pp * sizes.cp)
+    micro = run.cfg.train.global_batch_size // dp
+    plans = []
+    for spec, params in zip(specs, per_stage, strict=True):
+        plan = MemoryPlan(stage=spec.index,
+                          device_bytes=device_gb * GIB if device_gb else None)  # fmt: skip
+        _static_rows(plan, run, params)
+        _activation_rows(plan, run, spec, micro)
+        plans.append(plan)
+    return plans
