@@ -1,9 +1,11 @@
 """`inspect memory` vs the measured peak memory of tiny CPU runs (not a test).
 
-Each case runs 2 steps of the tiny model (full vocab, synthetic corpus) in fresh processes; the
-measured number is the peak RSS of the rank minus its RSS just before the trainer is built
-(after imports and the corpus), i.e. what the plan covers: weights, gradients, optimizer state,
-activations, CE buffers. The plan's device + host total is printed beside it.
+Each case runs 2 steps of the tiny model (full vocab, synthetic corpus) in fresh processes. The
+measured number is the peak of the bytes malloc has handed out and not taken back (glibc
+mallinfo2: in-use heap + mmapped chunks; RSS would also count freed heap pages), sampled after
+every module's forward, every parameter's gradient accumulation in backward, every CE chunk and
+the optimizer step, minus the same number just before the trainer is built (after imports and the
+corpus): what the plan covers. The plan's device + host total is printed beside it.
 
     python benchmarks/bench_memory_plan.py            # the comparison table
     python benchmarks/bench_memory_plan.py --measure  # re-measure memory_plan.SAVED_BYTES
@@ -12,8 +14,8 @@ activations, CE buffers. The plan's device + host total is printed beside it.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
-import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -41,9 +43,41 @@ def _settings(tmp: str, seq: int, recompute: bool, dp: int, offload: float) -> l
     return items
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def _in_use() -> int:
+    info = _LIBC.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+_LIBC.mallinfo2.restype = _Mallinfo2
+
+
+def _sampled(trainer, peak: list[int]) -> None:
+    """Sample the in-use bytes at every point where the peak can sit (see the docstring)."""
+    import primus_v4.models.deepseek_v4.loss as loss
+
+    def sample(*_args, **_kwargs) -> None:
+        peak[0] = max(peak[0], _in_use())
+
+    for module in trainer.model.modules():
+        module.register_forward_hook(sample)
+    for p in trainer.model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(sample)
+    chunk_ce = loss._chunk_ce
+
+    def sampled_chunk_ce(*args, **kwargs):
+        out = chunk_ce(*args, **kwargs)  # its [C, V] buffer is still alive here
+        sample()
+        return out
+
+    loss._chunk_ce = sampled_chunk_ce
+    trainer.optimizer.register_step_post_hook(sample)
 
 
 def _rank(rank: int, world: int, port: int, items: list[str], out: mp.Queue) -> None:
@@ -57,10 +91,12 @@ def _rank(rank: int, world: int, port: int, items: list[str], out: mp.Queue) -> 
     corpus = build_corpus(run)
     if world > 1:
         torch.distributed.init_process_group("gloo")
-    base = _rss()
-    Trainer(run, corpus=corpus).train()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out.put(peak - base)
+    base = _in_use()
+    peak = [base]
+    trainer = Trainer(run, corpus=corpus)
+    _sampled(trainer, peak)
+    trainer.train()
+    out.put(peak[0] - base)
 
 
 def measured(items: list[str], world: int) -> int:

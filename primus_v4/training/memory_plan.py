@@ -8,8 +8,8 @@ this rank's 1/n chunk, split device / host by `optim.offload_fraction`.
 
 Activations are the tensors autograd saves for backward, per token, per layer kind and role,
 MEASURED on CPU (`measure_saved_bytes`: the tiny preset in float32, one sample filling the row,
-saved-tensor hooks attributing every saved storage once to the innermost module running) at three
-sequence lengths and fitted as bytes/token = (a + b S) x unit(cfg) x dtype_bytes / 4, where
+saved-tensor hooks attributing every saved storage once to the innermost module running) at one
+sequence length and scaled as bytes/token = constant x unit(cfg) x dtype_bytes / 4, where
 unit is the role's width (attention: heads x head dim, MoE: top-k x expert ffn, mHC: streams x
 hidden, ...). That scaling assumes each role's saved tensors grow with its width, which holds for
 projections and elementwise math; terms that grow with other dimensions (sparse top-k, window)
@@ -31,40 +31,40 @@ import torch
 GIB = 2**30
 DEVICES_GB = {"MI300X": 192.0, "MI308X": 192.0, "MI355X": 288.0}
 
-# (kind, role) -> (a, b) per unit of the role's width, float32: saved bytes per token of one layer
-# = a + b x S (S tokens in the pack). Measured with `python benchmarks/bench_memory_plan.py
-# --measure` (`fit_constants`: tiny preset, vocab 512, one sample filling rows of 256, 1024 and
-# 4096 tokens, recompute off, least squares).
-SAVED_BYTES: dict[tuple[str, str], tuple[float, float]] = {
-    ("csa", "attention"): (10.346, 0.0021835),
-    ("csa", "block"): (13.284, -5.6199e-07),
-    ("csa", "compressor"): (25.047, -4.7956e-05),
-    ("csa", "moe"): (40.065, 0.0013481),
-    ("csa", "norm"): (21.432, 0.00046503),
-    ("csa", "router"): (49.5, -0.0033482),
-    ("csa", "shared"): (12.0, 0.0022321),
-    ("dense", "attention"): (9.5126, 0.002323),
-    ("dense", "block"): (13.284, -5.6199e-07),
-    ("dense", "moe"): (39.292, 0.0014881),
-    ("dense", "norm"): (20.25, 0.00074405),
-    ("dense", "router"): (50.5, -0.0033482),
-    ("dense", "shared"): (12.0, 0.0022321),
-    ("hca", "attention"): (9.6454, 0.002323),
-    ("hca", "block"): (13.284, -5.6199e-07),
-    ("hca", "compressor"): (15.386, -2.3251e-05),
-    ("hca", "moe"): (39.94, 0.0013481),
-    ("hca", "norm"): (20.282, 0.00074405),
-    ("hca", "router"): (49.5, -0.0033482),
-    ("hca", "shared"): (12.0, 0.0022321),
-    ("model", "model"): (6.3282, -2.3416e-08),
-    ("model", "norm"): (8.0625, 5.1311e-19),
-    ("mtp", "attention"): (9.5126, 0.002323),
-    ("mtp", "block"): (13.284, -5.6199e-07),
-    ("mtp", "moe"): (40.065, 0.0013481),
-    ("mtp", "mtp"): (4.9323, 0.00037202),
-    ("mtp", "norm"): (40.438, 0.00074405),
-    ("mtp", "router"): (50.5, -0.0033482),
-    ("mtp", "shared"): (12.0, 0.0022321),
+# (kind, role) -> saved bytes per token per unit of the role's width, float32. Measured with
+# `python benchmarks/bench_memory_plan.py --measure` (`fit_constants`: tiny preset, vocab 512,
+# one sample filling a 4096-token row, recompute off). Roles split a layer's storages by the
+# module that saved them first; only a layer's sum is physical.
+SAVED_BYTES: dict[tuple[str, str], float] = {
+    ("csa", "attention"): 18.406,
+    ("csa", "block"): 13.281,
+    ("csa", "compressor"): 24.867,
+    ("csa", "moe"): 44.813,
+    ("csa", "norm"): 24.266,
+    ("csa", "router"): 35.5,
+    ("csa", "shared"): 24.0,
+    ("dense", "attention"): 18.156,
+    ("dense", "block"): 13.281,
+    ("dense", "moe"): 44.625,
+    ("dense", "norm"): 24.25,
+    ("dense", "router"): 36.5,
+    ("dense", "shared"): 24.0,
+    ("hca", "attention"): 18.289,
+    ("hca", "block"): 13.281,
+    ("hca", "compressor"): 16.511,
+    ("hca", "moe"): 44.688,
+    ("hca", "norm"): 24.282,
+    ("hca", "router"): 35.5,
+    ("hca", "shared"): 24.0,
+    ("model", "model"): 6.3281,
+    ("model", "norm"): 8.0625,
+    ("mtp", "attention"): 18.156,
+    ("mtp", "block"): 13.281,
+    ("mtp", "moe"): 44.813,
+    ("mtp", "mtp"): 6.2656,
+    ("mtp", "norm"): 44.438,
+    ("mtp", "router"): 36.5,
+    ("mtp", "shared"): 24.0,
 }
 
 
@@ -159,19 +159,12 @@ def _one_sample(seq: int) -> Any:
     return to_thd_batch(layout(tokens, targets, np.array([seq]), seq_length=seq, pad_id=0))
 
 
-def fit_constants(cfg: Any, seqs: tuple[int, ...] = (256, 1024, 4096)) -> dict:
-    """(kind, role) -> (a, b) per unit: saved bytes per token = a + b S, least squares over the
-    measured lengths (one process: T = S)."""
-    import numpy as np
-
-    measured = [measure_saved_bytes(cfg, s) for s in seqs]
-    basis = np.array([[1.0, s] for s in seqs])
-    fitted = {}
-    for key in sorted(set().union(*measured)):
-        per_token = np.array([m.get(key, 0.0) / s for m, s in zip(measured, seqs, strict=True)])
-        coef = np.linalg.lstsq(basis, per_token, rcond=None)[0] / _unit(cfg, key[1])
-        fitted[key] = tuple(float(f"{c:.5g}") for c in coef)
-    return fitted
+def fit_constants(cfg: Any, seq: int = 4096) -> dict[tuple[str, str], float]:
+    """(kind, role) -> saved bytes per token per unit, measured at `seq` tokens. Every tensor a
+    layer saves is [T, ...] (checked: no [T, S] score is kept for backward), so bytes grow
+    linearly with the rank's rows T; the longest row amortizes per-layer constants best."""
+    measured = measure_saved_bytes(cfg, seq)
+    return {k: float(f"{v / seq / _unit(cfg, k[1]):.5g}") for k, v in sorted(measured.items())}
 
 
 @dataclass(kw_only=True)
@@ -257,23 +250,20 @@ def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]
     plan.add("transient: one param grad + gather buffers", biggest * d + 2 * BUCKET_BYTES * d / 4)
 
 
-def layer_bytes(cfg: Any, kind: str, tokens: int, seq: int, dtype_bytes: int) -> float:
-    """Saved activations of one layer of `kind` for `tokens` rows of a `seq`-token pack."""
-    per_token = sum((a + b * seq) * _unit(cfg, role)
-                    for (k, role), (a, b) in SAVED_BYTES.items() if k == kind)  # fmt: skip
-    # Roles split a layer's storages by who saved them first; only the layer's sum is physical.
-    return max(per_token, 0.0) * tokens * dtype_bytes / 4
+def layer_bytes(cfg: Any, kind: str, tokens: int, dtype_bytes: int) -> float:
+    """Saved activations of one layer of `kind` for `tokens` rows on the rank."""
+    per_token = sum(v * _unit(cfg, role) for (k, role), v in SAVED_BYTES.items() if k == kind)
+    return per_token * tokens * dtype_bytes / 4
 
 
 def _activation_rows(plan: MemoryPlan, run: Any, spec: Any, micro_batches: int) -> None:
     cfg, sizes, d = run.model, run.sizes, _dtype_bytes(run)
-    seq = run.cfg.data.seq_length
-    t = seq // sizes.cp
+    t = run.cfg.data.seq_length // sizes.cp
     pp, r = sizes.pp, spec.index
     in_flight = 1 if pp == 1 else (min(micro_batches, pp - r) if micro_batches >= pp
                                    else micro_batches)  # fmt: skip
     kinds = [cfg.layer_kind(i) for i in spec.decoder_layers] + ["mtp"] * len(spec.mtp_depths)
-    full = {k: layer_bytes(cfg, k, t, seq, d) for k in set(kinds)}
+    full = {k: layer_bytes(cfg, k, t, d) for k in set(kinds)}
     recompute = getattr(cfg, "recompute_granularity", None) == "full"
     for kind in sorted(set(kinds)):
         n = kinds.count(kind)
@@ -285,7 +275,7 @@ def _activation_rows(plan: MemoryPlan, run: Any, spec: Any, micro_batches: int) 
         plan.add("backward working set (one layer)" + (" + its recompute" if recompute else ""),
                  top * (2 if recompute else 1))  # fmt: skip
     if spec.has_loss:
-        model_level = layer_bytes(cfg, "model", t, seq, d)
+        model_level = layer_bytes(cfg, "model", t, d)
         calls = 1 + len(spec.mtp_depths)
         v, dim = cfg.vocab_size, cfg.hidden_size
         plan.add(f"head, CE: {calls} calls save fp32 dW [V, D] + streams", in_flight
