@@ -5,7 +5,8 @@ measured number is the peak of the bytes malloc has handed out and not taken bac
 mallinfo2: in-use heap + mmapped chunks; RSS would also count freed heap pages), sampled after
 every module's forward, every parameter's gradient accumulation in backward, every CE chunk and
 the optimizer step, minus the same number just before the trainer is built (after imports and the
-corpus): what the plan covers. The plan's device + host total is printed beside it.
+corpus): what the plan covers. The plan's device + host total, given the corpus's supervised
+fraction (the rows the LM head sees), is printed beside it.
 
     python benchmarks/bench_memory_plan.py            # the comparison table
     python benchmarks/bench_memory_plan.py --measure  # re-measure memory_plan.SAVED_BYTES
@@ -96,10 +97,11 @@ def _rank(rank: int, world: int, port: int, items: list[str], out: mp.Queue) -> 
     trainer = Trainer(run, corpus=corpus)
     _sampled(trainer, peak)
     trainer.train()
-    out.put(peak[0] - base)
+    out.put((peak[0] - base, float(corpus.stats["supervised_fraction"])))
 
 
-def measured(items: list[str], world: int) -> int:
+def measured(items: list[str], world: int) -> tuple[int, float]:
+    """(peak in-use bytes of the busiest rank, the corpus's supervised fraction)."""
     import socket
 
     with socket.socket() as s:
@@ -113,15 +115,16 @@ def measured(items: list[str], world: int) -> int:
     values = [queue.get(timeout=900) for _ in procs]
     for p in procs:
         p.join()
-    return max(values)
+    return max(v[0] for v in values), values[0][1]
 
 
-def planned(items: list[str], world: int) -> float:
+def planned(items: list[str], world: int, supervised: float) -> float:
     from primus_v4.config import load_config, resolve_run
     from primus_v4.training.memory_plan import plan_memory
 
     run = resolve_run(load_config(overrides=items), world=world)
-    return max(p.device_total + p.host_total for p in plan_memory(run))
+    plans = plan_memory(run, supervised_fraction=supervised)
+    return max(p.device_total + p.host_total for p in plans)
 
 
 def main() -> None:
@@ -141,7 +144,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seq, recompute, dp, offload in CASES:
             items = _settings(tmp, seq, recompute, dp, offload)
-            got, plan = measured(items, dp), planned(items, dp)
+            got, supervised = measured(items, dp)
+            plan = planned(items, dp, supervised)
             worst = max(worst, abs(plan / got - 1))
             print(f"{seq:>5} {recompute!s:>9} {dp:>3} {offload:>7} {plan / 2**20:>9.1f} "
                   f"{got / 2**20:>12.1f} {plan / got:>13.3f}", flush=True)  # fmt: skip

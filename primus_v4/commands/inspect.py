@@ -124,6 +124,8 @@ def _memory_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks of the run (default WORLD_SIZE or 1)")  # fmt: skip
     parser.add_argument("--device-memory", default="MI300X",
                         help="GiB per device, or MI300X / MI308X (192) / MI355X (288)")  # fmt: skip
+    parser.add_argument("--supervised-fraction", type=float, default=1.0,
+                        help="rows that reach the LM head (default 1: the worst)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="one JSON object per stage")
 
 
@@ -142,7 +144,7 @@ def _memory_run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--device-memory {device!r}: give GiB or one of "
                               f"{sorted(DEVICES_GB)}") from None  # fmt: skip
     run = resolve_run(load_config(args.config, overrides=args.set), world=args.world_size)
-    plans = plan_memory(run, device_gb=gib)
+    plans = plan_memory(run, device_gb=gib, supervised_fraction=args.supervised_fraction)
     if args.json:
         for p in plans:
             print(json.dumps({"stage": p.stage, "device_bytes": p.device_total,

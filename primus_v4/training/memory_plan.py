@@ -247,7 +247,8 @@ def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]
     # after the step holds one bucket's send and receive buffers.
     from primus_v4.parallel.data_parallel import BUCKET_BYTES
 
-    plan.add("transient: one param grad + gather buffers", biggest * d + 2 * BUCKET_BYTES * d / 4)
+    gather = 2 * BUCKET_BYTES * d / 4 if max(dp_cp, expert_dp) > 1 else 0
+    plan.add("transient: one param grad + gather buffers", biggest * d + gather)
 
 
 def layer_bytes(cfg: Any, kind: str, tokens: int, dtype_bytes: int) -> float:
@@ -256,7 +257,9 @@ def layer_bytes(cfg: Any, kind: str, tokens: int, dtype_bytes: int) -> float:
     return per_token * tokens * dtype_bytes / 4
 
 
-def _activation_rows(plan: MemoryPlan, run: Any, spec: Any, micro_batches: int) -> None:
+def _activation_rows(
+    plan: MemoryPlan, run: Any, spec: Any, micro_batches: int, supervised_fraction: float
+) -> None:
     cfg, sizes, d = run.model, run.sizes, _dtype_bytes(run)
     t = run.cfg.data.seq_length // sizes.cp
     pp, r = sizes.pp, spec.index
@@ -280,13 +283,19 @@ def _activation_rows(plan: MemoryPlan, run: Any, spec: Any, micro_batches: int) 
         v, dim = cfg.vocab_size, cfg.hidden_size
         plan.add(f"head, CE: {calls} calls save fp32 dW [V, D] + streams", in_flight
                  * (calls * v * dim * 4 + model_level))  # fmt: skip
-        chunk = min(cfg.ce_chunk_size, t)
-        plan.add(f"CE chunk transient: fp32 logits [{chunk}, V] + dW product",
-                 chunk * v * 4 + v * dim * 4)  # fmt: skip
+        rows = max(1, round(t * supervised_fraction))
+        chunk = min(cfg.ce_chunk_size, rows)
+        # ChunkedLinearCE's loop still holds the previous chunk's [C, V] while the next is made.
+        held = 2 if rows > chunk else 1
+        plan.add(f"CE transient: {held} x fp32 logits [{chunk}, V] + dW product",
+                 held * chunk * v * 4 + v * dim * 4)  # fmt: skip
 
 
-def plan_memory(run: Any, *, device_gb: float | None = None) -> list[MemoryPlan]:
-    """One `MemoryPlan` per pipeline stage for the resolved `run` (its world size and layout)."""
+def plan_memory(
+    run: Any, *, device_gb: float | None = None, supervised_fraction: float = 1.0
+) -> list[MemoryPlan]:
+    """One `MemoryPlan` per pipeline stage for the resolved `run` (its world size and layout).
+    `supervised_fraction` of a pack's rows reach the LM head (1.0: the worst case)."""
     from primus_v4.parallel.pipeline import plan_stages
     from primus_v4.training.trainer import build_model
 
@@ -311,6 +320,6 @@ def plan_memory(run: Any, *, device_gb: float | None = None) -> list[MemoryPlan]
         plan = MemoryPlan(stage=spec.index,
                           device_bytes=device_gb * GIB if device_gb else None)  # fmt: skip
         _static_rows(plan, run, params)
-        _activation_rows(plan, run, spec, micro)
+        _activation_rows(plan, run, spec, micro, supervised_fraction)
         plans.append(plan)
     return plans
