@@ -40,7 +40,9 @@ def _settings(tmp: str, seq: int, recompute: bool, dp: int, offload: float) -> l
         "output.progress_bar=false", "output.plot=false",
     ]  # fmt: skip
     if recompute:
-        items.append("model.overrides.recompute_granularity=full")
+        items += ["model.overrides.recompute_granularity=full",
+                  "model.overrides.recompute_method=uniform",
+                  "model.overrides.recompute_num_layers=1"]  # fmt: skip
     return items
 
 

@@ -169,27 +169,39 @@ def fit_constants(cfg: Any, seq: int = 4096) -> dict[tuple[str, str], float]:
 
 @dataclass(kw_only=True)
 class MemoryPlan:
-    """Bytes per rank: `rows` (name, device bytes, host bytes) and totals."""
+    """Bytes per rank: `rows` (name, device bytes, host bytes, phase) and totals.
+
+    phase: `static` (held all step), `backward` (activations and the forward/backward
+    transients) or `step` (the optimizer step's buffers); the two transient phases never
+    overlap, so the peak is static + the larger of them.
+    """
 
     stage: int
-    rows: list[tuple[str, float, float]] = field(default_factory=list)
+    rows: list[tuple[str, float, float, str]] = field(default_factory=list)
     device_bytes: float | None = None
 
-    def add(self, name: str, device: float, host: float = 0.0) -> None:
-        self.rows.append((name, float(device), float(host)))
+    def add(self, name: str, device: float, host: float = 0.0, *, phase: str = "static") -> None:
+        self.rows.append((name, float(device), float(host), phase))
+
+    def _peak(self, column: int) -> float:
+        by_phase = {"static": 0.0, "backward": 0.0, "step": 0.0}
+        for row in self.rows:
+            by_phase[row[3]] += row[column]
+        return by_phase["static"] + max(by_phase["backward"], by_phase["step"])
 
     @property
     def device_total(self) -> float:
-        return sum(d for _, d, _ in self.rows)
+        return self._peak(1)
 
     @property
     def host_total(self) -> float:
-        return sum(h for _, _, h in self.rows)
+        return self._peak(2)
 
     def table(self) -> str:
         lines = [f"pipeline stage {self.stage}: {'':40} {'device GiB':>11} {'host GiB':>10}"]
-        for name, d, h in self.rows:
-            lines.append(f"  {name:<54} {d / GIB:>11.3f} {h / GIB:>10.3f}")
+        for name, d, h, phase in self.rows:
+            tag = "" if phase == "static" else f" [{phase}]"
+            lines.append(f"  {name + tag:<54} {d / GIB:>11.3f} {h / GIB:>10.3f}")
         lines.append(
             f"  {'total':<44} {self.device_total / GIB:>11.3f} {self.host_total / GIB:>10.3f}"
         )
@@ -243,12 +255,16 @@ def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]
         plan.add("fp32 master chunks (host copies)", 0, 4 * on_host)
     plan.add("fp32 Adam moments (2 per chunk)", 8 * on_dev, 8 * on_host)
     biggest = max(numel for _, numel, _ in params)
-    # A parameter's own-dtype gradient lives until its hook adds it to the bucket; the all-gather
-    # after the step holds one bucket's send and receive buffers.
+    # A parameter's own-dtype gradient lives until its hook adds it to the bucket.
+    plan.add("one parameter's own-dtype gradient", biggest * d, phase="backward")
     from primus_v4.parallel.data_parallel import BUCKET_BYTES
 
-    gather = 2 * BUCKET_BYTES * d / 4 if max(dp_cp, expert_dp) > 1 else 0
-    plan.add("transient: one param grad + gather buffers", biggest * d + gather)
+    # The step: AdamW's denominator temporary of the largest chunk; the all-gather after it holds
+    # one bucket's send and receive buffers (a bucket closes past BUCKET_BYTES of fp32 grads).
+    bucket = min(weights, BUCKET_BYTES * d / 4 + biggest * d)
+    n = max(dp_cp, expert_dp)
+    gather = bucket * (1 + 1 / n) if n > 1 else 0.0
+    plan.add("AdamW temporary + weight all-gather buffers", 4 * max(chunks) + gather, phase="step")
 
 
 def layer_bytes(cfg: Any, kind: str, tokens: int, dtype_bytes: int) -> float:
@@ -272,23 +288,24 @@ def _activation_rows(
         n = kinds.count(kind)
         each = t * cfg.hc_mult * cfg.hidden_size * d if recompute else full[kind]
         what = "input streams (recompute)" if recompute else "saved activations"
-        plan.add(f"{n} {kind} layers: {what} x {in_flight} micro-batch", n * each * in_flight)
+        plan.add(f"{n} {kind} layers: {what} x {in_flight} micro-batch", n * each * in_flight,
+                 phase="backward")  # fmt: skip
     if kinds:
         top = max(full.values())
         plan.add("backward working set (one layer)" + (" + its recompute" if recompute else ""),
-                 top * (2 if recompute else 1))  # fmt: skip
+                 top * (2 if recompute else 1), phase="backward")  # fmt: skip
     if spec.has_loss:
         model_level = layer_bytes(cfg, "model", t, d)
         calls = 1 + len(spec.mtp_depths)
         v, dim = cfg.vocab_size, cfg.hidden_size
         plan.add(f"head, CE: {calls} calls save fp32 dW [V, D] + streams", in_flight
-                 * (calls * v * dim * 4 + model_level))  # fmt: skip
+                 * (calls * v * dim * 4 + model_level), phase="backward")  # fmt: skip
         rows = max(1, round(t * supervised_fraction))
         chunk = min(cfg.ce_chunk_size, rows)
         # ChunkedLinearCE's loop still holds the previous chunk's [C, V] while the next is made.
         held = 2 if rows > chunk else 1
         plan.add(f"CE transient: {held} x fp32 logits [{chunk}, V] + dW product",
-                 held * chunk * v * 4 + v * dim * 4)  # fmt: skip
+                 held * chunk * v * 4 + v * dim * 4, phase="backward")  # fmt: skip
 
 
 def plan_memory(

@@ -13,7 +13,7 @@ from primus_v4.training.trainer import build_model
 def _rows(*settings: str, world: int = 1) -> dict[str, tuple[float, float]]:
     run = resolve_run(load_config(overrides=["data.seq_length=1024", *settings]), world=world)
     (plan,) = plan_memory(run)
-    return {name.split(" (")[0]: (d, h) for name, d, h in plan.rows}
+    return {name.split(" (")[0]: (d, h) for name, d, h, _ in plan.rows}
 
 
 def test_static_terms_follow_the_sharded_optimizer() -> None:
