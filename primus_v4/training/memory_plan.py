@@ -203,7 +203,7 @@ class MemoryPlan:
             tag = "" if phase == "static" else f" [{phase}]"
             lines.append(f"  {name + tag:<54} {d / GIB:>11.3f} {h / GIB:>10.3f}")
         lines.append(
-            f"  {'total':<44} {self.device_total / GIB:>11.3f} {self.host_total / GIB:>10.3f}"
+            f"  {'peak (static + larger transient phase)':<54} {self.device_total / GIB:>11.3f} {self.host_total / GIB:>10.3f}"
         )
         if self.device_bytes:
             share = 100 * self.device_total / self.device_bytes
