@@ -202,9 +202,8 @@ class MemoryPlan:
         for name, d, h, phase in self.rows:
             tag = "" if phase == "static" else f" [{phase}]"
             lines.append(f"  {name + tag:<54} {d / GIB:>11.3f} {h / GIB:>10.3f}")
-        lines.append(
-            f"  {'peak (static + larger transient phase)':<54} {self.device_total / GIB:>11.3f} {self.host_total / GIB:>10.3f}"
-        )
+        dev, host = self.device_total / GIB, self.host_total / GIB
+        lines.append(f"  {'peak (static + larger transient phase)':<54} {dev:>11.3f} {host:>10.3f}")
         if self.device_bytes:
             share = 100 * self.device_total / self.device_bytes
             lines.append(
