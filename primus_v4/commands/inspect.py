@@ -212,6 +212,50 @@ def _checkpoint_entry(path: Path, *, verify: bool) -> dict:
             "bytes": dir_bytes(path), "files": files}  # fmt: skip
 
 
+def _memory_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="run config YAML (default: built-in)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value (repeatable)")  # fmt: skip
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks of the run (default WORLD_SIZE or 1)")  # fmt: skip
+    parser.add_argument("--device-memory", default="MI300X",
+                        help="GiB per device, or MI300X / MI308X (192) / MI355X (288)")  # fmt: skip
+    parser.add_argument("--supervised-fraction", type=float, default=1.0,
+                        help="rows that reach the LM head (default 1: the worst)")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="one JSON object per stage")
+
+
+def _memory_run(args: argparse.Namespace) -> int:
+    from primus_v4.config import load_config, resolve_run
+    from primus_v4.errors import ConfigError
+    from primus_v4.training.memory_plan import DEVICES_GB, plan_memory
+
+    device = args.device_memory
+    if device.upper() in DEVICES_GB:
+        gib = DEVICES_GB[device.upper()]
+    else:
+        try:
+            gib = float(device)
+        except ValueError:
+            raise ConfigError(f"--device-memory {device!r}: give GiB or one of "
+                              f"{sorted(DEVICES_GB)}") from None  # fmt: skip
+    run = resolve_run(load_config(args.config, overrides=args.set), world=args.world_size)
+    plans = plan_memory(run, device_gb=gib, supervised_fraction=args.supervised_fraction)
+    if args.json:
+        for p in plans:
+            print(json.dumps({"stage": p.stage, "device_bytes": p.device_total,
+                              "host_bytes": p.host_total, "rows": p.rows}))  # fmt: skip
+        return 0
+    s = run.sizes
+    print(f"memory plan per rank: world {s.world} = pp {s.pp} x cp {s.cp} x dp "
+          f"{s.world // (s.pp * s.cp)}, ep {s.ep}; {run.cfg.model.preset} "
+          f"{run.cfg.model.dtype}, seq {run.cfg.data.seq_length}, offload "
+          f"{run.cfg.optim.offload_fraction}, device {device} ({gib:.0f} GiB)")  # fmt: skip
+    for p in plans:
+        print(p.table())
+    return 0
+
+
 # view name -> (help, add_arguments, run)
 VIEWS: dict[
     str,
@@ -230,6 +274,7 @@ VIEWS: dict[
         _checkpoint_arguments,
         _checkpoint_run,
     ),
+    "memory": ("per-rank memory plan of a run before launch", _memory_arguments, _memory_run),
 }
 
 

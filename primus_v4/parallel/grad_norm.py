@@ -21,7 +21,7 @@ from primus_v4.parallel.groups import ParallelContext
 _CHUNK = 1 << 24  # elements cast to float64 at once: 128 MiB, never a float64 embedding copy
 
 
-def _square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     # float64 accumulation: a float32 norm of an 8M-entry embedding gradient is off by ~1e-4
     # relative on CPU, and the result must not depend on how the sum is split over ranks.
     # Kept on the device: RCCL/NCCL reduce device tensors, and there is one sync at the end.
@@ -39,10 +39,10 @@ def clip_grad_norm(params: list[nn.Parameter], ctx: ParallelContext, max_norm: f
     dense = [p.grad for p in with_grad if not is_expert_param(p)
              and not getattr(p, "pipeline_duplicate", False)]  # fmt: skip
     experts = [p.grad for p in with_grad if is_expert_param(p)]
-    expert_sq = _square_sum(experts, ctx.device)
+    expert_sq = square_sum(experts, ctx.device)
     if ctx.ep.size > 1:
         dist.all_reduce(expert_sq, group=ctx.ep.group)
-    total_sq = _square_sum(dense, ctx.device) + expert_sq
+    total_sq = square_sum(dense, ctx.device) + expert_sq
     if ctx.pp.size > 1:
         dist.all_reduce(total_sq, group=ctx.pp.group)
     norm = float(total_sq.sqrt())

@@ -61,6 +61,9 @@ class PipelineRunner:
             # The MTP copy of the embedding: summed with the first stage's gradient instead of
             # being counted again in the gradient norm.
             model.embedding.weight.pipeline_duplicate = True  # type: ignore[attr-defined]
+        if model.cfg.mtp_num_layers and (model.is_first or model.is_last):
+            # Both copies: their gradients are summed here before any data-parallel reduction.
+            model.embedding.weight.pipeline_tied = True  # type: ignore[attr-defined]
 
     def _build(self, m: int, t: int, id_dtype: torch.dtype) -> None:
         cfg, model, pp = self.model.cfg, self.model, self.ctx.pp
@@ -167,7 +170,11 @@ class PipelineRunner:
             return
         from megatron.core import parallel_state as ps
 
-        grad = model.embedding.weight.grad
+        weight = model.embedding.weight
+        # The optimizer's fp32 accumulation buffer when it owns one (training.zero), else .grad.
+        grad = getattr(weight, "main_grad", None)
         if grad is None:
-            grad = model.embedding.weight.grad = torch.zeros_like(model.embedding.weight)
+            grad = weight.grad
+        if grad is None:
+            grad = weight.grad = torch.zeros_like(weight)
         dist.all_reduce(grad, group=ps.get_embedding_group())

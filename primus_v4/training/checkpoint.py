@@ -12,7 +12,8 @@ at any point leaves either no step dir or a complete one, so resume never sees a
 The directory must be on a filesystem every rank sees (shared storage for multi-node runs).
 
 Per-rank values (RNG states, data position) are stored under a `rank{r}` key, because DCP saves
-one copy of every key it believes replicated. Resume expects the same world size.
+one copy of every key it believes replicated. Resume expects the same pipeline and expert layout;
+the trainer's sharded optimizer state (training.zero_state) also resumes into another DP size.
 
 Expert-parallel shards (parameters tagged by `parallel.expert_parallel.shard_moe`) have the same
 local name on every EP rank but different rows; they and their optimizer moments are saved as
@@ -42,7 +43,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -116,11 +119,15 @@ def _train_state(
     with warnings.catch_warnings():
         # DCP warns about features (e.g. sharded tensors) this code does not use.
         warnings.simplefilter("ignore")
-        if optimizer is not None:
+        if optimizer is not None and not _is_sharded(optimizer):
             model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
         else:
-            model_sd, optim_sd = get_state_dict(model, [], options=_OPTIONS), {}
+            model_sd, optim_sd = get_model_state_dict(model, options=_OPTIONS), {}
     _experts_as_dtensors(model, model_sd, optim_sd)
+    if optimizer is not None and _is_sharded(optimizer):
+        from primus_v4.training.zero_state import optimizer_state
+
+        optim_sd = optimizer_state(optimizer)  # its chunks are DTensors already
     per_rank: dict[str, Any] = {"rng": _rng_state()}
     if data is not None:
         per_rank["data"] = data.state_dict()
@@ -131,6 +138,13 @@ def _train_state(
         "scheduler": scheduler.state_dict() if scheduler is not None else {},
         f"rank{_rank()}": per_rank,
     }
+
+
+def _is_sharded(optimizer: Any) -> bool:
+    """The trainer's ZeRO-1 optimizer (training.zero): its state is keyed and sharded by us."""
+    from primus_v4.training.zero import ShardedAdamW
+
+    return isinstance(optimizer, ShardedAdamW)
 
 
 def _experts_as_dtensors(
@@ -276,28 +290,43 @@ def load_latest(
         return None
     state = _train_state(0, model, optimizer, scheduler, data)
     key = f"rank{_rank()}"
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if not any(k.startswith(f"{key}.") for k in saved):
+        # Saved by fewer ranks (a different DP size): this rank keeps its own RNG streams and
+        # data position; the trainer's data position is the step itself.
+        log.warning("checkpoint %s has no per-rank state for rank %d (saved by %s ranks)", path,
+                    _rank(), _saved_world(path))  # fmt: skip
+        del state[key]
     try:
         with _single_process_ok():
             dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except Exception as err:  # DCP raises bare errors; name the checkpoint and the likely cause
         raise PrimusError(
             f"cannot load checkpoint {path} on rank {_rank()}: {err}. It was written by "
-            f"{_saved_world(path)} ranks; resume needs the same model and parallel layout"
+            f"{_saved_world(path)} ranks; resume needs the same model, pipeline and expert "
+            "layout (the trainer's data-parallel size may differ)"
         ) from err
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        set_state_dict(
-            model,
-            optimizer if optimizer is not None else [],
-            model_state_dict=_local_tensors(state["model"]),
-            optim_state_dict=_local_tensors(state["optim"]),
-            options=_OPTIONS,
-        )
+        if optimizer is not None and _is_sharded(optimizer):
+            from primus_v4.training.zero_state import load_optimizer_state
+
+            set_model_state_dict(model, _local_tensors(state["model"]), options=_OPTIONS)
+            load_optimizer_state(optimizer, state["optim"])
+        else:
+            set_state_dict(
+                model,
+                optimizer if optimizer is not None else [],
+                model_state_dict=_local_tensors(state["model"]),
+                optim_state_dict=_local_tensors(state["optim"]),
+                options=_OPTIONS,
+            )
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
-    if data is not None:
+    if data is not None and key in state:
         data.load_state_dict(state[key]["data"])
-    _set_rng_state(state[key]["rng"])
+    if key in state:
+        _set_rng_state(state[key]["rng"])
     step = int(state["step"])
     log.info("resumed from checkpoint %s (step %d)", path, step)
     return step

@@ -232,6 +232,23 @@ def warmup_cosine(*, lr: float, min_lr: float, warmup_steps: int, total_steps: i
     return factor
 
 
+def check_hyperparams(
+    *, lr: float, min_lr: float, warmup_steps: int, total_steps: int, offload_fraction: float
+) -> None:
+    """The optimizer and schedule settings every AdamW here accepts (ConfigError otherwise)."""
+    if not 0.0 <= offload_fraction <= 1.0:
+        raise ConfigError(f"optim.offload_fraction must be in [0, 1], got {offload_fraction}")
+    if lr <= 0 or not 0 <= min_lr <= lr:
+        raise ConfigError(
+            f"need 0 < optim.lr and 0 <= optim.min_lr <= lr; got lr={lr}, min_lr={min_lr}"
+        )
+    if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
+        raise ConfigError(
+            f"need 0 <= warmup_steps <= total_steps and total_steps >= 1; got "
+            f"warmup_steps={warmup_steps}, total_steps={total_steps}"
+        )
+
+
 def build_optimizer(
     params: ParamsArg,
     *,
@@ -250,17 +267,8 @@ def build_optimizer(
     `foreach=None` lets torch choose per device (for-loop on CPU, foreach on GPU); both sides of
     the offload split then use the same choice, which bit-identity relies on.
     """
-    if not 0.0 <= offload_fraction <= 1.0:
-        raise ConfigError(f"optim.offload_fraction must be in [0, 1], got {offload_fraction}")
-    if lr <= 0 or not 0 <= min_lr <= lr:
-        raise ConfigError(
-            f"need 0 < optim.lr and 0 <= optim.min_lr <= lr; got lr={lr}, min_lr={min_lr}"
-        )
-    if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
-        raise ConfigError(
-            f"need 0 <= warmup_steps <= total_steps and total_steps >= 1; got "
-            f"warmup_steps={warmup_steps}, total_steps={total_steps}"
-        )
+    check_hyperparams(lr=lr, min_lr=min_lr, warmup_steps=warmup_steps, total_steps=total_steps,
+                      offload_fraction=offload_fraction)  # fmt: skip
     optimizer = OffloadAdamW(
         param_groups(params, weight_decay),
         lr=lr,

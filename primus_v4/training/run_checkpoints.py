@@ -24,8 +24,18 @@ from primus_v4.training.checkpoint import CheckpointManager, load_latest
 log = get_logger(__name__)
 
 CONFIG_FILE = "config.yaml"
-# Keys whose change makes the saved weights and optimizer state meaningless for this run.
-MUST_MATCH = ("model.preset", "model.overrides", "model.dtype")
+# Keys whose change makes the saved weights and optimizer state meaningless for this run. The
+# data-parallel size may change (the sharded optimizer state is resharded by DCP); the other axes
+# decide which layers and experts a rank holds, so they must stay.
+MUST_MATCH = (
+    "model.preset",
+    "model.overrides",
+    "model.dtype",
+    "parallel.pp",
+    "parallel.pp_layout",
+    "parallel.cp",
+    "parallel.ep",
+)
 SCHEDULE = ("train.steps", "train.epochs", "train.lr", "train.min_lr", "train.warmup_steps")
 
 
@@ -60,13 +70,19 @@ def check_resumable(path: Path, cfg: RunConfig, world: int) -> None:
         return
     changes = config_changes(saved, to_dict(cfg))
     fatal = {k: v for k, v in changes.items() if k.startswith(MUST_MATCH)}
-    saved_world = json.loads((path / "COMPLETE").read_text()).get("world_size", world)
-    if saved_world != world:
-        fatal["world size"] = (saved_world, world)
     if fatal:
         raise ConfigError(
             f"cannot resume from {path}: the run changed in {_describe(fatal)}. Resume needs the "
-            "same model and world size; use a new checkpoint.dir (or restore the old values)"
+            "same model and the same pp/cp/ep sizes (only the data-parallel size may change); use "
+            "a new checkpoint.dir (or restore the old values)"
+        )
+    saved_world = json.loads((path / "COMPLETE").read_text()).get("world_size", world)
+    if saved_world != world:
+        log.info(
+            "resuming a checkpoint saved by %d ranks on %d ranks: the data-parallel size changed, "
+            "the sharded optimizer state is resharded",
+            saved_world,
+            world,
         )
     schedule = {k: v for k, v in changes.items() if k in SCHEDULE}
     if schedule:

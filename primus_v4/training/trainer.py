@@ -3,8 +3,9 @@
 Per step: the rows of the global batch (BatchSource), their token counts summed over
 micro-batches and data-parallel ranks (the loss denominator, taken up front), one forward and
 backward per micro-batch with that micro-batch's share of the global token-mean loss (through
-the 1F1B pipeline schedule when pp > 1), gradient sum over DP x CP, clip by the global norm, a
-finite check, the optimizer step, one metrics row.
+the 1F1B pipeline schedule when pp > 1), fp32 gradients reduce-scattered over each parameter's
+replicas (training.zero: ZeRO-1 with fp32 masters), clip by the global norm, a finite check, the
+optimizer step, one metrics row.
 
 Where the parallel pieces plug in (identities in one process):
   * `init_runtime`   process groups from the launcher env (torchrun: gloo / RCCL).
@@ -74,23 +75,14 @@ def build_model(run: ResolvedRun) -> nn.Module:
 
 
 def build_optimizer(
-    run: ResolvedRun, model: nn.Module, total_steps: int | None = None
+    run: ResolvedRun, model: nn.Module, ctx: Any = None, total_steps: int | None = None
 ) -> tuple[Any, Any]:
-    """AdamW with linear warmup then cosine decay to min_lr (primus_v4.training.optim)."""
-    from primus_v4.training.optim import build_optimizer as build
+    """AdamW on fp32 master weights, state sharded over each parameter's data-parallel replicas
+    (primus_v4.training.zero), with linear warmup then cosine decay to min_lr over
+    `total_steps` (default train.steps)."""
+    from primus_v4.training.zero import build_sharded_optimizer
 
-    t, o = run.cfg.train, run.cfg.optim
-    return build(
-        model.named_parameters(),
-        lr=t.lr,
-        min_lr=t.min_lr,
-        warmup_steps=t.warmup_steps,
-        total_steps=total_steps or t.steps,
-        weight_decay=t.weight_decay,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        offload_fraction=o.offload_fraction,
-    )
+    return build_sharded_optimizer(run, model, ctx, total_steps=total_steps)
 
 
 @contextmanager
@@ -156,7 +148,9 @@ class Trainer:
         model = model if model is not None else build_model(run)
         self.model = self._parallelize(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = build_optimizer(run, self.model, self.total_steps)
+        self.optimizer, self.scheduler = build_optimizer(
+            run, self.model, self.runtime.ctx, self.total_steps
+        )
         self.router_bias = RouterBiasUpdate(
             [self.model],
             rate=self.cfg.model.router_bias_update_rate,
@@ -277,6 +271,7 @@ class Trainer:
             self.runtime.count_group,
         )
         step_loss = StepLoss(counts, mtp_scale=self.mtp_scale)
+        self.optimizer.begin(len(rows))  # buckets reduce as the last micro-batch's backward ends
         if self.pipeline is not None:
             self.pipeline.run(
                 [self._model_inputs(row) for row in rows],
@@ -287,26 +282,17 @@ class Trainer:
             for row in rows:
                 out = self.model(**self._model_inputs(row))
                 step_loss.objective(out, samples=row.num_samples).backward()
-        for p in self.params:
-            if p.requires_grad and p.grad is None:
-                # As with megatron's contiguous grad buffer, every trainable parameter has a
-                # gradient (zeros when no token reached it, e.g. an expert nobody routed to):
-                # replicas reduce identical buckets and AdamW state is complete for checkpoints.
-                p.grad = torch.zeros_like(p)
-        if self.runtime.count_group is not None:
-            from primus_v4.parallel.data_parallel import sum_gradients
-
-            sum_gradients(self.params, self.runtime.ctx)
+        # Every trainable parameter has an fp32 gradient (zeros when no token reached it, e.g.
+        # an expert nobody routed to), summed over its replicas into this rank's shard.
+        self.optimizer.reduce_gradients()
         return step_loss
 
     def _clip(self) -> float:
         """Global grad norm before clipping (clip_grad=0: measured, not clipped)."""
-        from primus_v4.parallel.grad_norm import clip_grad_norm
-
-        # Not torch's clip_grad_norm_: parameters split over stages / expert shards need a
-        # reduction, and its float32 norm of the [vocab, hidden] embedding gradient is off by
-        # ~1e-4 relative, more than the parity tests allow between layouts.
-        return clip_grad_norm(self.params, self.runtime.ctx, self.cfg.train.clip_grad or math.inf)
+        # Not torch's clip_grad_norm_: gradients are sharded over replicas, split over stages and
+        # expert shards, and its float32 norm of the [vocab, hidden] embedding gradient is off by
+        # ~1e-4 relative, more than the parity tests allow between layouts (float64 here).
+        return self.optimizer.clip_grad_norm(self.cfg.train.clip_grad or math.inf)
 
     def train_step(self, step: int) -> StepMetrics:
         start = time.perf_counter()

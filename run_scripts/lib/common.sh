@@ -193,6 +193,19 @@ primus_print_dry_run() {
     printf ' %q' "${PRIMUS_COMMAND[@]:1}"
     printf '\n'
   )
+  primus_print_memory_plan
+}
+
+# The per-rank memory plan of the resolved recipe (primus-v4 inspect memory), on stderr so that
+# stdout stays the JSON line + the command. PRIMUS_MEMORY_PLAN=0 skips it (it builds the model on
+# the meta device: ~10 s for Flash); PRIMUS_DEVICE_MEMORY: MI300X, MI308X, MI355X or GiB.
+primus_print_memory_plan() {
+  [[ "${PRIMUS_MEMORY_PLAN:-1}" == "1" ]] || return 0
+  (cd "${PRIMUS_REPO_ROOT}" &&
+    "${PRIMUS_PYTHON}" -m primus_v4 inspect memory --config "${PRIMUS_CONFIG}" \
+      "${PRIMUS_SETS[@]}" --world-size "$((NNODES * GPUS_PER_NODE))" \
+      --device-memory "${PRIMUS_DEVICE_MEMORY:-MI300X}") >&2 ||
+    primus_log "memory plan unavailable (primus-v4 inspect memory failed)"
 }
 
 # Validate, then print (DRY_RUN=1) or launch with this node's output teed to PRIMUS_NODE_LOG.

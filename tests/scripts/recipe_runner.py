@@ -52,6 +52,7 @@ def run_recipe(script: str, tmp_path: Path, timeout: float = 120, **env: str) ->
         PRIMUS_LOCAL_ROOT=str(tmp_path / "local"),
         PRIMUS_OUTPUT_DIR=str(tmp_path / "out"),
         PRIMUS_TOKENIZER_PROBE_DIRS=str(tmp_path / "no_tokenizer_here"),
+        PRIMUS_MEMORY_PLAN="0",  # builds the meta model (~10 s): one test asks for it
     )
     base.update(env)
     proc = subprocess.run(

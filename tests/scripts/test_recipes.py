@@ -61,6 +61,16 @@ def test_full_128k_thd(tmp_path):
     _assert_flash_model(r)
 
 
+def test_dry_run_prints_the_memory_plan(tmp_path):
+    run = run_recipe("run_full_128k_thd_multinode.sh", tmp_path, **MULTINODE,
+                     PRIMUS_MEMORY_PLAN="1", PRIMUS_DEVICE_MEMORY="MI355X")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert len(run.stdout.splitlines()) == 2  # the plan goes to stderr
+    assert "memory plan per rank: world 24 = pp 3 x cp 8 x dp 1, ep 8" in run.stderr
+    assert "seq 131072, offload 0.9, device MI355X (288 GiB)" in run.stderr
+    assert all(f"pipeline stage {i}:" in run.stderr for i in range(3))
+
+
 def test_base_4k_is_not_packed(tmp_path):
     r = run_recipe("run_full_4k_multinode.sh", tmp_path, **MULTINODE).resolved
     assert r["packed"] is False and r["layout"] == "bshd"
