@@ -171,9 +171,17 @@ def _fp4_boundaries() -> torch.Tensor:
 
 
 def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
-    """float32 values already in [-6, 6] -> e2m1 codes (int32), nearest, ties to even code."""
-    code = torch.bucketize(x.abs(), _fp4_boundaries(), out_int32=True)
-    return code.bitwise_or_(torch.signbit(x).to(torch.int32) << 3)
+    """float32 values already in [-6, 6] -> e2m1 codes (uint8), nearest, ties to even code.
+
+    The magnitude code is the number of boundaries strictly below |x| (what bucketize returns),
+    counted by seven compares into a byte: several times faster than bucketize's binary search
+    on CPU, and no int32 codes."""
+    a = x.abs()
+    bounds = _fp4_boundaries().tolist()
+    code = torch.gt(a, bounds[0]).view(torch.uint8)
+    for bound in bounds[1:]:
+        code += a > bound
+    return code.bitwise_or_(torch.signbit(x).view(torch.uint8) << 3)
 
 
 def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +198,7 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exponent = _pow2_exponent(amax, FP4_MAX)
     s = torch.ldexp(torch.ones_like(amax), exponent)
     codes = _fp4_codes((w / s[:, :, None]).clamp_(-FP4_MAX, FP4_MAX)).view(n, k // 2, 2)
-    packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    packed = torch.bitwise_or(codes[..., 0], codes[..., 1] << 4)  # low nibble = even column
     return packed.view(torch.int8), float_to_e8m0(exponent)
 
 
