@@ -79,7 +79,16 @@ def load_rank_weights(
             return reader.read(name, _read_dtype(reader.storage(name), dtype))
 
         with bar:
-            release.fill_state(cfg, targets, get, expert_range=experts, progress=bar.update)
+            release.fill_state(
+                cfg,
+                targets,
+                get,
+                expert_range=experts,
+                progress=bar.update,
+                read_transposed_into=lambda name, out, shape: reader.read_transposed_into(
+                    name, out, dtype, shape=shape
+                ),
+            )
         done = RankLoad(
             tensors=len(wanted), bytes_read=reader.bytes_read, checkpoint_bytes=reader.total_bytes()
         )

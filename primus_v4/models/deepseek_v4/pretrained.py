@@ -90,7 +90,15 @@ def load_release(
         def get(name: str) -> torch.Tensor:
             return reader.read(name, dtype=_target_dtype(reader.storage(name), dtype))
 
-        release.fill_state(cfg, targets, get, progress=bar.update)
+        release.fill_state(
+            cfg,
+            targets,
+            get,
+            progress=bar.update,
+            read_transposed_into=lambda name, out, shape: reader.read_transposed_into(
+                name, out, dtype, shape=shape
+            ),
+        )
         bar.close()
     return model
 

@@ -387,14 +387,20 @@ def fill_state(
     *,
     expert_range: tuple[int, int] | None = None,
     progress: Callable[[int], None] | None = None,
+    read_transposed_into: Callable[[str, torch.Tensor, tuple[int, ...]], None] | None = None,
 ) -> None:
     """Like `build_state`, but copies into `targets[our_name]` (parameters / buffers) in place,
-    one release tensor at a time (experts row by row): the peak is one release tensor."""
+    one release tensor at a time (experts row by row): the peak is one release tensor.
+    `read_transposed_into(name, out, shape)`, when given, fills the expert rows instead of
+    `get`: it writes the transpose of release tensor `name` (checked to be `shape`) into `out`,
+    so a loader can decode straight into the parameter."""
     shapes = {k: tuple(v.shape) for k, v in targets.items()}
     for entry in _checked_entries(cfg, shapes, expert_range):
         dst = targets[entry.ours]
         parts = _fetch(entry, expert_range, get)
-        if entry.op == "copy":
+        if entry.op in ("gate_up", "down") and read_transposed_into is not None:
+            _fill_experts(entry, dst, expert_range, read_transposed_into)
+        elif entry.op == "copy":
             dst.copy_(next(parts))
         elif entry.op == "wo_a":
             dst.copy_(next(parts).reshape(entry.shape))
@@ -414,6 +420,24 @@ def fill_state(
             raise ValueError(f"unknown table op {entry.op!r}")
         if progress is not None:
             progress(len(entry.release_names(expert_range)))
+
+
+def _fill_experts(
+    entry: TableEntry,
+    dst: torch.Tensor,
+    expert_range: tuple[int, int] | None,
+    read_transposed_into: Callable[[str, torch.Tensor, tuple[int, ...]], None],
+) -> None:
+    """Expert rows [E, D, 2F] / [E, F, D] from the per-expert w1, w3 [F, D] / w2 [D, F]."""
+    if entry.op == "gate_up":
+        f = dst.shape[2] // 2
+        views = [v for row in dst for v in (row[:, :f], row[:, f:])]
+    else:
+        views = list(dst)
+    by_name = {r.name: r for r in entry.release}
+    names = entry.release_names(expert_range)
+    for name, view in zip(names, views, strict=True):
+        read_transposed_into(name, view, by_name[name].shape)
 
 
 def to_release(

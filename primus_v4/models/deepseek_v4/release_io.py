@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from primus_v4.models.deepseek_v4.release_quant import (
     FP4_BLOCK,
     dequantize_fp4,
+    dequantize_fp4_transposed_into,
     dequantize_fp8,
     quantize_fp4,
     quantize_fp8,
@@ -227,6 +228,15 @@ class ReleaseReader:
     def total_bytes(self) -> int:
         return sum(self.nbytes(n) for n in self._names)
 
+    def read_check(self, name: str, shape: Sequence[int]) -> None:
+        """Raise naming the tensor unless its logical shape is `shape` (the parameter's)."""
+        if tuple(shape) != self.shape(name):
+            raise ReleaseFormatError(
+                f"{self.directory / self.shard_of(name)}: '{name}' has shape "
+                f"{list(self.shape(name))} in the checkpoint but {list(shape)} in the model; "
+                "the config does not match this checkpoint"
+            )
+
     def _raw(self, name: str) -> torch.Tensor:
         stored = self._stored(name)
         self.bytes_read += stored.nbytes
@@ -237,12 +247,8 @@ class ReleaseReader:
     ) -> torch.Tensor:
         """One tensor, dequantized when stored FP8/FP4 (into `dtype`, default bfloat16), else
         as stored (cast to `dtype` when given). `shape` (the parameter's) is checked."""
-        if shape is not None and tuple(shape) != self.shape(name):
-            raise ReleaseFormatError(
-                f"{self.directory / self.shard_of(name)}: '{name}' has shape "
-                f"{list(self.shape(name))} in the checkpoint but {list(shape)} in the model; "
-                "the config does not match this checkpoint"
-            )
+        if shape is not None:
+            self.read_check(name, shape)
         kind = self.storage(name)
         if kind in ("fp8", "fp4"):
             weight, scale = self._raw(name), self._raw(self._scale_of[name])
@@ -252,6 +258,19 @@ class ReleaseReader:
             return dequantize_fp4(weight, scale, out_dtype)
         tensor = self._raw(name)
         return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+    def read_transposed_into(
+        self, name: str, out: torch.Tensor, dtype: torch.dtype, *, shape: Sequence[int]
+    ) -> None:
+        """`out.copy_(read(name, dtype, shape=shape).t())`: the same bits, but an FP4 expert
+        weight is dequantized straight into `out` (our experts are the release's transposed),
+        with no transposed temporary."""
+        if self.storage(name) != "fp4":
+            out.copy_(self.read(name, dtype, shape=shape).t())
+            return
+        self.read_check(name, shape)
+        weight, scale = self._raw(name), self._raw(self._scale_of[name])
+        dequantize_fp4_transposed_into(weight, scale, out, dtype)
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`read` without the shape check (the name release.py's `build_state` callers use)."""

@@ -101,6 +101,7 @@ def _fp8_decode(weight: torch.Tensor, work: torch.dtype) -> torch.Tensor:
     return _fp8_table(work).index_select(0, index).view(weight.shape)
 
 
+@functools.cache
 def _fp4_pair_table(work: torch.dtype) -> torch.Tensor:
     """[256, 2]: byte -> (value of its low nibble, value of its high nibble)."""
     values = torch.tensor(FP4_VALUES, dtype=work)
@@ -108,8 +109,7 @@ def _fp4_pair_table(work: torch.dtype) -> torch.Tensor:
     return torch.stack([values[byte & 0xF], values[byte >> 4]], dim=1)
 
 
-def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP4 e2m1 packed `[N, K/2]` (int8 or float4_e2m1fn_x2) with `[N, K/32]` scales -> `[N, K]`."""
+def _check_fp4(weight: torch.Tensor, scale: torch.Tensor) -> None:
     n, half = weight.shape
     k = 2 * half
     if k % FP4_BLOCK or tuple(scale.shape) != (n, k // FP4_BLOCK):
@@ -117,6 +117,13 @@ def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
             f"FP4 weight [{n}, {half}] packed ({k} input columns) needs a scale of shape "
             f"[{n}, {k // FP4_BLOCK}] (one per {FP4_BLOCK} columns), got {list(scale.shape)}"
         )
+
+
+def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP4 e2m1 packed `[N, K/2]` (int8 or float4_e2m1fn_x2) with `[N, K/32]` scales -> `[N, K]`."""
+    n, half = weight.shape
+    k = 2 * half
+    _check_fp4(weight, scale)
     # one gather per byte decodes both nibbles (a [256] table of value pairs, each pair one
     # 4- or 8-byte word), then the power-of-two scale is applied in place over a broadcast view:
     # a multiply by 2^e rounds the exact product once, the same bits as any other order
@@ -129,6 +136,31 @@ def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
         w = F.embedding(index, _fp4_pair_table(work)).view(n, k // FP4_BLOCK, FP4_BLOCK)
     w.mul_(e8m0_to_float(scale).to(work)[:, :, None])
     return w.view(n, k).to(dtype)
+
+
+def dequantize_fp4_transposed_into(
+    weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, dtype: torch.dtype
+) -> None:
+    """`out.copy_(dequantize_fp4(weight, scale, dtype).t())` (the same bits), without the
+    transposed temporary when `out` is `dtype` with unit-stride rows: the bytes are transposed
+    (1 byte each), then each nibble's values are gathered straight into out's even / odd rows
+    ([K, N] = [K/2, 2, N]) and the scales applied in place."""
+    _check_fp4(weight, scale)
+    n, half = weight.shape
+    if tuple(out.shape) != (2 * half, n):
+        raise ValueError(f"FP4 weight [{n}, {2 * half}] transposed needs [{2 * half}, {n}], "
+                         f"got an output of shape {list(out.shape)}")  # fmt: skip
+    work = _work_dtype(dtype)
+    if work != dtype or out.dtype != dtype or out.stride(-1) != 1 or weight.device != out.device:
+        out.copy_(dequantize_fp4(weight, scale, dtype).t())
+        return
+    index = weight.view(torch.uint8).t().contiguous().view(-1).to(torch.int32)
+    rows = out.view(half, 2, n)
+    pairs = _fp4_pair_table(work)
+    scales = e8m0_to_float(scale).to(work).t().contiguous()[:, None, :]  # [K/32, 1, N]
+    for nibble in (0, 1):  # rows 2j + nibble; 32 rows share a scale = 16 of each nibble
+        values = pairs[:, nibble].index_select(0, index).view(half // 16, 16, n)
+        rows[:, nibble].copy_(values.mul_(scales).view(half, n))
 
 
 @functools.cache
