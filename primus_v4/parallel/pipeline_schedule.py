@@ -21,6 +21,9 @@ Loss: the last stage returns (main CE sum, MTP CE sums, aux) per micro-batch and
 function is the trainer's `StepLoss.objective`; non-last stages add their balance loss to the
 backward through the stage output (see pipeline_stage._AttachAux). Reported sums are summed over
 the pipeline afterwards, so every stage logs the same numbers.
+
+Evaluation (`forward_only`) bypasses the schedule: one pack at a time, under no_grad, with
+blocking send/recv of the streams between neighbouring stages.
 """
 
 from __future__ import annotations
