@@ -230,11 +230,6 @@ def resolve_run(cfg: RunConfig, world: int | None = None) -> ResolvedRun:
     model = model_config(cfg)
     check_model_fits(cfg, model)
     evaluates = bool(cfg.data.eval_path) or cfg.data.eval_fraction > 0
-    if evaluates and cfg.parallel.pp > 1:
-        raise ConfigError(
-            f"data.eval_path / data.eval_fraction: evaluation runs without pipeline parallelism "
-            f"only (parallel.pp={cfg.parallel.pp}); unset them for this layout"
-        )
     return ResolvedRun(
         cfg=cfg,
         sizes=sizes,

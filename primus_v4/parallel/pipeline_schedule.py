@@ -21,6 +21,9 @@ Loss: the last stage returns (main CE sum, MTP CE sums, aux) per micro-batch and
 function is the trainer's `StepLoss.objective`; non-last stages add their balance loss to the
 backward through the stage output (see pipeline_stage._AttachAux). Reported sums are summed over
 the pipeline afterwards, so every stage logs the same numbers.
+
+Evaluation (`forward_only`) bypasses the schedule: one pack at a time, under no_grad, with
+blocking send/recv of the streams between neighbouring stages.
 """
 
 from __future__ import annotations
@@ -42,6 +45,13 @@ log = get_logger(__name__)
 
 def _row(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1, -1)
+
+
+def _objective(step_loss: Any, output: tuple[torch.Tensor, ...], samples: torch.Tensor) -> Any:
+    """The last stage's (main CE sum, MTP CE sums..., aux) of one pack into `step_loss`."""
+    loss_sum, *mtp_sums, aux = output
+    out = ModelOutput(loss_sum=loss_sum, mtp_loss_sums=list(mtp_sums), aux_loss=aux)
+    return step_loss.objective(out, samples=samples.reshape(()))
 
 
 class PipelineRunner:
@@ -94,9 +104,7 @@ class PipelineRunner:
 
     def _loss(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
         # The labels travel as keyword tensors; the target carries this pack's sample count.
-        loss_sum, *mtp_sums, aux = output
-        out = ModelOutput(loss_sum=loss_sum, mtp_loss_sums=list(mtp_sums), aux_loss=aux)
-        return self.step_loss.objective(out, samples=target.reshape(()))
+        return _objective(self.step_loss, output, target)
 
     def _stack(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Per-pack model inputs ([1, T] rows) -> keyword tensors stacked over micro-batches."""
@@ -149,6 +157,39 @@ class PipelineRunner:
         self.schedule.step(*args, target=target, return_outputs=False, **kw)
         self._reduce_reported(step_loss)
         self._sync_embedding()
+
+    @torch.no_grad()
+    def forward_only(self, item: dict[str, Any], step_loss: Any | None, *, samples: int) -> None:
+        """Forward of one pack through the pipeline, no backward (evaluation).
+
+        Plain blocking p2p of the streams between neighbouring stages: one pack at a time needs
+        no schedule (and leaves the training schedule's buffers untouched). The last stage adds
+        the pack's loss sums to `step_loss`; None there runs the forward and discards it (the
+        padding forward of a short data-parallel share). Sums stay per stage: `reduce_eval`.
+        """
+        kw = self._stack([item])
+        kw["aux_samples"] = torch.tensor([[float(samples)]], device=self.device)
+        model, pp = self.model, self.ctx.pp
+        t = kw["token_ids"].shape[1]
+        if model.is_first:
+            x = kw["token_ids"]
+        else:
+            x = torch.empty(t, model.cfg.hc_mult, model.cfg.hidden_size,
+                            dtype=model.stream_dtype, device=self.device)  # fmt: skip
+            dist.recv(x, group=pp.group, group_src=pp.rank - 1)
+        out = model(x, **kw)
+        if not model.is_last:
+            dist.send(out.contiguous(), group=pp.group, group_dst=pp.rank + 1)
+        elif step_loss is not None:
+            _objective(step_loss, out, kw["aux_samples"])
+
+    def reduce_eval(self, step_loss: Any) -> None:
+        """Evaluation sums (last stage only) summed over the pipeline, so every stage reports
+        them; the balance loss is not part of evaluation."""
+        if step_loss.counts.mtp and not step_loss.mtp_sums:
+            step_loss.mtp_sums = [0.0] * len(step_loss.counts.mtp)
+        self.model.aux_total = 0.0
+        self._reduce_reported(step_loss)
 
     def _reduce_reported(self, step_loss: Any) -> None:
         """Loss sums live on the last stage and aux sums on every stage: sum over the pipeline."""

@@ -5,7 +5,9 @@ rank r takes rows r, r + dp, ...; CP ranks of one replica split each row like in
 denominators are the supervised-token counts of the whole corpus summed over DP x CP before any
 division (the training loss's rule), so the number is the same under every layout. Ranks whose
 share is one row short run a forward on row 0 and discard it, so every rank runs the same
-number of forwards (expert-parallel all-to-alls stay matched).
+number of forwards (expert-parallel all-to-alls stay matched). Under pipeline parallelism each
+row runs forward through the stages one at a time (PipelineRunner.forward_only) and the last
+stage's sums are summed over the pipeline, so every rank reports the same numbers.
 """
 
 from __future__ import annotations
@@ -60,10 +62,19 @@ class Evaluator:
         try:
             for k in range(forwards):
                 row = rows[k] if k < len(rows) else self._row(0)
-                out = trainer.model(**trainer._model_inputs(row))
-                if k < len(rows):  # the padding forward of a short share is not counted
+                counted = k < len(rows)  # the padding forward of a short share is not counted
+                inputs = trainer._model_inputs(row)
+                if trainer.pipeline is not None:
+                    trainer.pipeline.forward_only(
+                        inputs, step_loss if counted else None, samples=row.num_samples
+                    )
+                    continue
+                out = trainer.model(**inputs)
+                if counted:
                     step_loss.objective(out, samples=row.num_samples)
         finally:
             trainer.model.train(was_training)
+        if trainer.pipeline is not None:
+            trainer.pipeline.reduce_eval(step_loss)  # the sums live on the last stage
         losses = step_loss.reported(group=rt.count_group)
         return {"eval_loss": losses["loss"], "eval_mtp_loss": losses["mtp_loss"]}
