@@ -4,9 +4,10 @@ Writes a synthetic release-layout checkpoint (FP8 e4m3 linears + FP4 e2m1 expert
 scales, bf16 / fp32 / int64 rest; >= 1 GiB stored) into a temp dir, then, each case in a fresh
 subprocess (so peaks do not mix) and each twice (best time kept):
   load     `load_release(dir, dtype=bfloat16)` (dequantize into a whole bf16 model)
-           vs the floor: safetensors `safe_open` + `get_tensor` (+ clone: owned bytes) of every
-           stored tensor, and vs the same read of the model's bf16 export (the same final bytes:
-           FP4 -> bf16 writes 4x the bytes it reads, so the first floor is not reachable)
+           vs the floor: safetensors `safe_open` + `get_tensor` (+ clone: owned bytes, all kept
+           like a loader's result) of every stored tensor, and vs the same read of the model's
+           bf16 export (the same final bytes: FP4 -> bf16 writes 4x the bytes it reads, and
+           each new page costs a fault on first touch, so the first floor is out of reach)
   memory   peak RSS of the load vs the bytes of the loaded model's state
   export   `save_release(model, out, dtype=...)` (bf16, and fp8 incl. quantization)
            vs safetensors `save_file` of the same bytes in the same shard sizes
@@ -86,15 +87,16 @@ def _rss_bytes() -> int:
 def _child_floor_load(directory: str) -> dict:
     from safetensors import safe_open
 
-    start, total = time.perf_counter(), 0
+    start, kept = time.perf_counter(), []
     for shard in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(shard, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                # clone: get_tensor maps the file lazily; a loader must own the bytes
-                t = f.get_tensor(key).clone()
-                total += t.numel() * t.element_size()
-                del t
-    return {"s": time.perf_counter() - start, "bytes": total}
+                # clone: get_tensor maps the file lazily; a loader must own the bytes, and keeps
+                # them all (freed blocks would be reused without the first-touch page faults
+                # every loader pays for its result)
+                kept.append(f.get_tensor(key).clone())
+    seconds = time.perf_counter() - start
+    return {"s": seconds, "bytes": sum(t.numel() * t.element_size() for t in kept)}
 
 
 def _child_load(directory: str) -> dict:

@@ -27,24 +27,25 @@ def clamped_swiglu(gate_up_MF2: torch.Tensor, limit: float) -> torch.Tensor:
 def grouped_experts_reference(
     x_MD: torch.Tensor,
     tokens_per_expert_E: list[int],
-    w_gate_up_EDF2: torch.Tensor,
-    w_down_EFD: torch.Tensor,
+    w_gate_up_EF2D: torch.Tensor,
+    w_down_EDF: torch.Tensor,
     *,
     limit: float,
 ) -> torch.Tensor:
-    """Rows [off_e, off_e + n_e) go through expert e; returns [M, D] in the same order."""
+    """Rows [off_e, off_e + n_e) go through expert e; returns [M, D] in the same order. Weights
+    are [E, out, in] (nn.Linear's layout): gate rows [0, F), up rows [F, 2F)."""
     outs = []
     offset = 0
     for e, n in enumerate(tokens_per_expert_E):
         if n == 0:
             continue
         rows = x_MD[offset : offset + n]
-        outs.append(clamped_swiglu(rows @ w_gate_up_EDF2[e], limit) @ w_down_EFD[e])
+        outs.append(clamped_swiglu(rows @ w_gate_up_EF2D[e].t(), limit) @ w_down_EDF[e].t())
         offset += n
     if not outs:
         # Keep the expert weights in the graph so an empty batch still yields (zero) grads.
-        return x_MD @ w_down_EFD.new_zeros(x_MD.shape[-1], x_MD.shape[-1]) + 0.0 * (
-            w_gate_up_EDF2.sum() + w_down_EFD.sum()
+        return x_MD @ w_down_EDF.new_zeros(x_MD.shape[-1], x_MD.shape[-1]) + 0.0 * (
+            w_gate_up_EF2D.sum() + w_down_EDF.sum()
         )
     return torch.cat(outs, dim=0)
 

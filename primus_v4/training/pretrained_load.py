@@ -5,7 +5,8 @@ and expert shard (primus_v4/parallel/parallelize.py); `materialize` then allocat
 tensors and calls `load_rank_weights` instead of the random init. Our tensor names carry global
 layer indices and an expert shard knows its global rows (`MoE.expert_offset`), so the name table
 (release.py) turns the rank's state-dict keys into exactly the release tensors it needs; each
-is read memory-mapped from its shard, dequantized into the parameter dtype and copied in place.
+is read from its shard with positioned reads and decoded straight into the parameter (in its
+dtype).
 Before reading, every rank checks the checkpoint's names against the whole model's (names only):
 a checkpoint of another model fails on every rank with the same message.
 """
@@ -50,11 +51,6 @@ def expert_range(model: nn.Module) -> tuple[int, int] | None:
     return ranges.pop() if ranges else None
 
 
-def _read_dtype(storage: str, target: torch.dtype) -> torch.dtype | None:
-    """int64 and fp32 tensors read as stored (copy_ casts); quantized / bf16 into the target."""
-    return None if storage in ("int64", "fp32") else target
-
-
 @torch.no_grad()
 def load_rank_weights(
     model: nn.Module, directory: str | os.PathLike, *, progress: bool = False
@@ -69,25 +65,18 @@ def load_rank_weights(
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     targets = {name: own[name] for name in model.state_dict()}
     experts = expert_range(model)
-    dtype = next(iter(model.parameters())).dtype
     with ReleaseReader(directory) as reader:
         check_consumed(reader, cfg)
         wanted = release.needed(cfg, list(targets), expert_range=experts)
         bar = tqdm(total=len(wanted), desc="loading", unit="tensor", disable=not progress)
 
-        def get(name: str) -> torch.Tensor:
-            return reader.read(name, _read_dtype(reader.storage(name), dtype))
-
         with bar:
             release.fill_state(
                 cfg,
                 targets,
-                get,
                 expert_range=experts,
                 progress=bar.update,
-                read_transposed_into=lambda name, out, shape: reader.read_transposed_into(
-                    name, out, dtype, shape=shape
-                ),
+                read_into=lambda name, out, shape: reader.read_into(name, out, shape=shape),
             )
         done = RankLoad(
             tensors=len(wanted), bytes_read=reader.bytes_read, checkpoint_bytes=reader.total_bytes()

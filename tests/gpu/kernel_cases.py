@@ -75,8 +75,8 @@ def _grouped_experts(g: torch.Generator) -> Inputs:
     counts = [10, 0, 20, 18]  # an expert with no rows must work too
     x = torch.randn(sum(counts), d, generator=g)
     # std 0.5 puts some gate/up activations past the clamp limit, so the clamp is exercised.
-    w_gate_up = 0.5 * torch.randn(len(counts), d, 2 * f, generator=g)
-    w_down = 0.2 * torch.randn(len(counts), f, d, generator=g)
+    w_gate_up = 0.5 * torch.randn(len(counts), 2 * f, d, generator=g)
+    w_down = 0.2 * torch.randn(len(counts), d, f, generator=g)
     return (x, counts, w_gate_up, w_down), {"limit": 10.0}
 
 

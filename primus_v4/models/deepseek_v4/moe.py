@@ -293,9 +293,11 @@ class MoE(nn.Module):
         self.aux_coeff = cfg.moe_aux_loss_coeff
         self.hashed = layer_idx < cfg.num_hash_layers
         self.router = Router(cfg, layer_idx=layer_idx, hashed=self.hashed)
-        # Stored [E, in, out] so a grouped GEMM multiplies sorted rows without a transpose.
-        self.w_gate_up = nn.Parameter(torch.empty(e, d, 2 * f))
-        self.w_down = nn.Parameter(torch.empty(e, f, d))
+        # Stored [E, out, in] like nn.Linear and the release's per-expert w1 / w3 [F, D] and
+        # w2 [D, F]: a checkpoint loads into (and exports from) contiguous rows with no transpose;
+        # the grouped GEMM multiplies by the transposed views (a BLAS flag, no copy).
+        self.w_gate_up = nn.Parameter(torch.empty(e, 2 * f, d))
+        self.w_down = nn.Parameter(torch.empty(e, d, f))
         self.shared = SharedExpert(cfg) if cfg.moe_shared_expert_intermediate_size else None
         self.dispatcher: Dispatcher = dispatcher or LocalDispatcher()
         self.grouped_experts = resolve(GROUPED_EXPERTS)

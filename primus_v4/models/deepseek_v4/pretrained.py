@@ -5,7 +5,7 @@ materializes it in `dtype`, fills every parameter and persistent buffer from the
 through the name table (release.py) and checks that every checkpoint tensor was consumed (or is on
 the documented ignore list `release.IGNORED`). `save_release(model, out, dtype=)` writes the
 release layout (bf16, or the release's FP8 + FP4 experts) with the release's config.json keys.
-IO (memory-mapped shards, dequantization, sharded atomic writes) is release_io.py's.
+IO (positioned reads decoded into the parameters, sharded atomic writes) is release_io.py's.
 """
 
 from __future__ import annotations
@@ -87,25 +87,14 @@ def load_release(
         total = len(release.needed(cfg, targets))
         bar = tqdm(total=total, desc="loading", unit="tensor", disable=not progress)
 
-        def get(name: str) -> torch.Tensor:
-            return reader.read(name, dtype=_target_dtype(reader.storage(name), dtype))
-
         release.fill_state(
             cfg,
             targets,
-            get,
             progress=bar.update,
-            read_transposed_into=lambda name, out, shape: reader.read_transposed_into(
-                name, out, dtype, shape=shape
-            ),
+            read_into=lambda name, out, shape: reader.read_into(name, out, shape=shape),
         )
         bar.close()
     return model
-
-
-def _target_dtype(storage: str, dtype: torch.dtype) -> torch.dtype | None:
-    """int64 and float32 tensors stay as stored; everything else is read into `dtype`."""
-    return None if storage in ("int64", "fp32") else dtype
 
 
 def _restore_float32(model: torch.nn.Module) -> None:

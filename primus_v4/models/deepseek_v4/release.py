@@ -8,9 +8,11 @@ buffers) with the release tensors it is made of and how (`op`):
   copy      same shape (most tensors; our module names differ, the values do not)
   wo_a      ours [G, O, I] = release `attn.wo_a.weight` [G*O, I] viewed per group
   cat0      ours `moe.shared.gate_up.weight` [2F, D] = cat(shared_experts.w1, shared_experts.w3)
-  gate_up   ours `moe.w_gate_up` [E, D, 2F]: row e = cat(experts.e.w1, experts.e.w3).T
-  down      ours `moe.w_down` [E, F, D]: row e = experts.e.w2.T
-Expert tensors are stacked [E, in, out] for the grouped GEMM; an expert-parallel shard holds rows
+  gate_up   ours `moe.w_gate_up` [E, 2F, D]: row e = cat(experts.e.w1, experts.e.w3)
+  down      ours `moe.w_down` [E, D, F]: row e = experts.e.w2
+Expert tensors are the release's per-expert [out, in] weights stacked, so every release tensor is
+one contiguous block of ours (loads decode into it, exports write it as is); an expert-parallel
+shard holds rows
 [lo, hi) and asks for `expert_range=(lo, hi)`. Pipeline stages ask for the names they keep: our
 names carry the global layer index (`layers.7.`), so any subset of the state dict resolves.
 
@@ -199,8 +201,8 @@ def _moe(ours: str, rel: str, cfg: DeepseekV4Config, hashed: bool) -> list[Table
     )
     down = tuple(_t(f"{ex}.{i}.w2.weight", (d, f), "fp4") for i in range(e))
     out += [
-        TableEntry(ours=f"{ours}.w_gate_up", shape=(e, d, 2 * f), op="gate_up", release=gate_up),
-        TableEntry(ours=f"{ours}.w_down", shape=(e, f, d), op="down", release=down),
+        TableEntry(ours=f"{ours}.w_gate_up", shape=(e, 2 * f, d), op="gate_up", release=gate_up),
+        TableEntry(ours=f"{ours}.w_down", shape=(e, d, f), op="down", release=down),
     ]
     sf = cfg.moe_shared_expert_intermediate_size
     if sf:
@@ -297,10 +299,10 @@ def _join(entry: TableEntry, parts: list[torch.Tensor], rows: int) -> torch.Tens
         return parts[0].reshape(entry.shape)
     if entry.op == "cat0":
         return torch.cat(parts, dim=0)
-    if entry.op == "gate_up":  # per expert: cat(w1, w3) [2F, D] -> [D, 2F]
-        return torch.stack([torch.cat(parts[2 * i : 2 * i + 2], 0).t() for i in range(rows)])
+    if entry.op == "gate_up":  # per expert: cat(w1, w3) [2F, D]
+        return torch.stack([torch.cat(parts[2 * i : 2 * i + 2], 0) for i in range(rows)])
     if entry.op == "down":
-        return torch.stack([p.t() for p in parts])
+        return torch.stack(parts)
     raise ValueError(f"unknown table op {entry.op!r}")
 
 
@@ -312,9 +314,9 @@ def _split(entry: TableEntry, t: torch.Tensor) -> list[torch.Tensor]:
     if entry.op == "cat0":
         return list(t.chunk(2, dim=0))
     if entry.op == "gate_up":
-        return [w for row in t for w in row.t().chunk(2, dim=0)]
+        return [w for row in t for w in row.chunk(2, dim=0)]
     if entry.op == "down":
-        return [row.t() for row in t]
+        return list(t)
     raise ValueError(f"unknown table op {entry.op!r}")
 
 
@@ -383,61 +385,32 @@ def build_state(
 def fill_state(
     cfg: DeepseekV4Config,
     targets: Mapping[str, torch.Tensor],
-    get: Callable[[str], torch.Tensor],
+    get: Callable[[str], torch.Tensor] | None = None,
     *,
     expert_range: tuple[int, int] | None = None,
     progress: Callable[[int], None] | None = None,
-    read_transposed_into: Callable[[str, torch.Tensor, tuple[int, ...]], None] | None = None,
+    read_into: Callable[[str, torch.Tensor, tuple[int, ...]], None] | None = None,
 ) -> None:
-    """Like `build_state`, but copies into `targets[our_name]` (parameters / buffers) in place,
-    one release tensor at a time (experts row by row): the peak is one release tensor.
-    `read_transposed_into(name, out, shape)`, when given, fills the expert rows instead of
-    `get`: it writes the transpose of release tensor `name` (checked to be `shape`) into `out`,
-    so a loader can decode straight into the parameter."""
+    """Like `build_state`, but fills `targets[our_name]` (parameters / buffers) in place, one
+    release tensor at a time: every release tensor is one view of ours (`_split`), the whole
+    tensor, a chunk of it or an expert row. `read_into(name, out, shape)`, when given, writes
+    release tensor `name` (checked to be `shape`) into the view `out`, so a loader can decode
+    straight into the parameter; otherwise the view is copied from `get(name)`."""
+    if (get is None) == (read_into is None):
+        raise ValueError("fill_state needs exactly one of `get` and `read_into`")
     shapes = {k: tuple(v.shape) for k, v in targets.items()}
     for entry in _checked_entries(cfg, shapes, expert_range):
-        dst = targets[entry.ours]
-        parts = _fetch(entry, expert_range, get)
-        if entry.op in ("gate_up", "down") and read_transposed_into is not None:
-            _fill_experts(entry, dst, expert_range, read_transposed_into)
-        elif entry.op == "copy":
-            dst.copy_(next(parts))
-        elif entry.op == "wo_a":
-            dst.copy_(next(parts).reshape(entry.shape))
-        elif entry.op == "cat0":
-            w1, w3 = dst.chunk(2, dim=0)
-            w1.copy_(next(parts))
-            w3.copy_(next(parts))
-        elif entry.op == "gate_up":
-            f = dst.shape[2] // 2
-            for row in dst:
-                row[:, :f].copy_(next(parts).t())
-                row[:, f:].copy_(next(parts).t())
-        elif entry.op == "down":
-            for row in dst:
-                row.copy_(next(parts).t())
+        names = entry.release_names(expert_range)
+        views = _split(entry, targets[entry.ours])
+        by_name = {r.name: r for r in entry.release}
+        if read_into is not None:
+            for name, view in zip(names, views, strict=True):
+                read_into(name, view, by_name[name].shape)
         else:
-            raise ValueError(f"unknown table op {entry.op!r}")
+            for view, part in zip(views, _fetch(entry, expert_range, get), strict=True):
+                view.copy_(part)
         if progress is not None:
-            progress(len(entry.release_names(expert_range)))
-
-
-def _fill_experts(
-    entry: TableEntry,
-    dst: torch.Tensor,
-    expert_range: tuple[int, int] | None,
-    read_transposed_into: Callable[[str, torch.Tensor, tuple[int, ...]], None],
-) -> None:
-    """Expert rows [E, D, 2F] / [E, F, D] from the per-expert w1, w3 [F, D] / w2 [D, F]."""
-    if entry.op == "gate_up":
-        f = dst.shape[2] // 2
-        views = [v for row in dst for v in (row[:, :f], row[:, f:])]
-    else:
-        views = list(dst)
-    by_name = {r.name: r for r in entry.release}
-    names = entry.release_names(expert_range)
-    for name, view in zip(names, views, strict=True):
-        read_transposed_into(name, view, by_name[name].shape)
+            progress(len(names))
 
 
 def to_release(
@@ -447,7 +420,7 @@ def to_release(
     expert_range: tuple[int, int] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Our tensors -> (logical release name, tensor) pairs, in table order (exact inverse of
-    `build_state`: views, transposes and chunks only). Non-table keys raise."""
+    `build_state`: views and chunks only, each contiguous). Non-table keys raise."""
     for entry in _entries(cfg, list(state)):
         names = entry.release_names(expert_range)
         parts = _split(entry, state[entry.ours])

@@ -1,4 +1,4 @@
-"""Released-checkpoint IO: memory-mapped per-tensor reads and atomic sharded writes.
+"""Released-checkpoint IO: per-tensor positioned reads and atomic sharded writes.
 
 A release directory holds `config.json` and either `model.safetensors.index.json` + shards or
 one `model.safetensors`. Quantized weights are stored as `<module>.weight` plus a sibling
@@ -10,7 +10,9 @@ and counts the stored bytes it touched. `write_release` writes a directory the s
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import shutil
 import uuid
@@ -20,16 +22,17 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from primus_v4.models.deepseek_v4.release_quant import (
     FP4_BLOCK,
-    dequantize_fp4,
-    dequantize_fp4_transposed_into,
+    FP8_BLOCK,
+    dequantize_fp4_into,
     dequantize_fp8,
+    dequantize_fp8_into,
     quantize_fp4,
     quantize_fp8,
+    work_dtype,
 )
 
 CONFIG_FILE = "config.json"
@@ -74,18 +77,20 @@ class ReleaseFormatError(ValueError):
 
 @dataclass(kw_only=True, frozen=True)
 class StoredTensor:
-    """One tensor as stored: its shard file, safetensors dtype and stored shape."""
+    """One tensor as stored: its shard file, safetensors dtype, stored shape and where its bytes
+    lie in the file."""
 
     shard: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the shard file
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+_MAX_HEADER = 1 << 28  # safetensors headers are JSON of a few MB; more is a corrupt length
 
 
 def _load_json(path: Path) -> dict:
@@ -95,6 +100,51 @@ def _load_json(path: Path) -> dict:
         raise ReleaseFormatError(f"{path}: missing (a release directory needs it)") from None
     except json.JSONDecodeError as err:
         raise ReleaseFormatError(f"{path}: not valid JSON ({err})") from None
+
+
+def _read_header(path: Path) -> dict[str, StoredTensor]:
+    """The tensors of one safetensors file, every byte range checked against the file's size
+    (a truncated download fails here, before anything is read)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 0 or length > min(size - 8, _MAX_HEADER):
+            raise ReleaseFormatError(
+                f"{path}: not a safetensors file or truncated ({size} bytes, header length "
+                f"{length}); fetch the file again"
+            )
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ReleaseFormatError(f"{path}: unreadable safetensors header ({err})") from None
+    out: dict[str, StoredTensor] = {}
+    for name, info in header.items():
+        if name != "__metadata__":
+            out[name] = _stored_entry(path, name, info, 8 + length, size)
+    return out
+
+
+def _stored_entry(path: Path, name: str, info: dict, base: int, size: int) -> StoredTensor:
+    dtype = _ST_DTYPES.get(info.get("dtype"))
+    if dtype is None:
+        raise ReleaseFormatError(f"{path}: '{name}' has unsupported dtype {info.get('dtype')}")
+    shape = tuple(int(d) for d in info["shape"])
+    if dtype == torch.float4_e2m1fn_x2:  # safetensors counts 4-bit values; torch pairs them
+        shape = (*shape[:-1], shape[-1] // 2)
+    begin, end = (int(x) for x in info["data_offsets"])
+    stored = StoredTensor(shard=path.name, dtype=dtype, shape=shape, offset=base + begin)
+    if end - begin != stored.nbytes:
+        raise ReleaseFormatError(
+            f"{path}: '{name}' {list(shape)} {info['dtype']} needs {stored.nbytes} bytes but its "
+            f"data_offsets span {end - begin}; the file is corrupt"
+        )
+    if base + end > size:
+        raise ReleaseFormatError(
+            f"{path}: '{name}' ends at byte {base + end} but the file has {size} bytes: it is "
+            "truncated (an incomplete download or copy); fetch it again"
+        )
+    return stored
 
 
 def _weight_map(directory: Path) -> dict[str, str]:
@@ -116,30 +166,47 @@ def _weight_map(directory: Path) -> dict[str, str]:
         return dict(weight_map)
     single = directory / SINGLE_FILE
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE_FILE)
+        return dict.fromkeys(_read_header(single), SINGLE_FILE)
     raise ReleaseFormatError(
         f"{directory}: neither {INDEX_FILE} nor {SINGLE_FILE}; point at a released checkpoint "
         "directory (config.json + safetensors)"
     )
 
 
-class ReleaseReader:
-    """Memory-mapped reads of a release directory, one tensor at a time.
+def _writable_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes as a writable buffer (no copy)."""
+    return memoryview(t.view(torch.uint8).view(-1).numpy())
 
-    `bytes_read` sums the stored bytes (weights and their scales) of every tensor read so far,
-    which is what a rank that reads only its own slice is measured by.
+
+class ReleaseReader:
+    """Reads of a release directory, one tensor at a time, straight into their destination.
+
+    Tensors are read with positioned reads from the shard files, not memory-mapped: a mapped
+    page counts in the resident set for as long as the map lives, a read one does not, so peak
+    memory stays at the parameters plus one chunk of scratch. Quantized weights are decoded
+    chunk by chunk into the destination (`read_into`). `bytes_read` sums the stored bytes
+    (weights and their scales) of every tensor read so far, which is what a rank that reads
+    only its own slice is measured by.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, max_open_shards: int = 2) -> None:
+    CHUNK = 1 << 21  # elements decoded per step: scratch stays in cache-sized pieces
+
+    def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
-        self.max_open_shards = max_open_shards
         if not self.directory.is_dir():
             raise ReleaseFormatError(f"{self.directory}: not a directory")
         self.config: dict = _load_json(self.directory / CONFIG_FILE)
         self._shard_of = _weight_map(self.directory)
-        self._handles: dict[str, object] = {}
         self._meta: dict[str, StoredTensor] = {}
+        for shard in sorted(set(self._shard_of.values())):
+            self._meta.update(_read_header(self.directory / shard))
+        for name, shard in self._shard_of.items():
+            if self._meta.get(name, None) is None or self._meta[name].shard != shard:
+                raise ReleaseFormatError(
+                    f"{self.directory / shard}: the index maps '{name}' to this shard but it "
+                    "does not hold it; the index and the shards are from different checkpoints"
+                )
+        self._files: dict[str, io.FileIO] = {}
         self._scale_of: dict[str, str] = {}
         for name in self._shard_of:
             for suffix in SCALE_SUFFIXES:
@@ -149,6 +216,8 @@ class ReleaseReader:
                         self._scale_of[weight] = name
         scales = set(self._scale_of.values())
         self._names = sorted(n for n in self._shard_of if n not in scales)
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._index = torch.empty(0, dtype=torch.int32)
         self.bytes_read = 0
 
     def __enter__(self) -> ReleaseReader:
@@ -158,38 +227,16 @@ class ReleaseReader:
         self.close()
 
     def close(self) -> None:
-        self._handles.clear()
-
-    def _handle(self, shard: str):
-        """The shard's open (memory-mapped) file. Only the few most recently used stay open:
-        pages of a mapped file count in the resident set while mapped, and loads walk the
-        shards in order, so closing older ones keeps peak memory near the parameters'."""
-        handle = self._handles.pop(shard, None)
-        if handle is None:
-            handle = safe_open(self.directory / shard, framework="pt")
-        self._handles[shard] = handle  # most recent last
-        while len(self._handles) > self.max_open_shards:
-            del self._handles[next(iter(self._handles))]
-        return handle
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
     def _stored(self, name: str) -> StoredTensor:
-        if name not in self._meta:
-            shard = self._shard_of.get(name)
-            if shard is None:
-                raise ReleaseFormatError(
-                    f"{self.directory}: no tensor '{name}' in the checkpoint ({len(self._names)} "
-                    "tensors; check the model config matches this checkpoint)"
-                )
-            view = self._handle(shard).get_slice(name)
-            dtype = _ST_DTYPES.get(view.get_dtype())
-            if dtype is None:
-                raise ReleaseFormatError(
-                    f"{self.directory / shard}: '{name}' has unsupported dtype {view.get_dtype()}"
-                )
-            shape = tuple(view.get_shape())
-            if dtype == torch.float4_e2m1fn_x2:  # safetensors counts 4-bit values; torch pairs
-                shape = (*shape[:-1], shape[-1] // 2)
-            self._meta[name] = StoredTensor(shard=shard, dtype=dtype, shape=shape)
+        if name not in self._shard_of:
+            raise ReleaseFormatError(
+                f"{self.directory}: no tensor '{name}' in the checkpoint ({len(self._names)} "
+                "tensors; check the model config matches this checkpoint)"
+            )
         return self._meta[name]
 
     def names(self) -> list[str]:
@@ -237,10 +284,37 @@ class ReleaseReader:
                 "the config does not match this checkpoint"
             )
 
+    def _pread(self, stored: StoredTensor, into: torch.Tensor, start: int = 0) -> None:
+        """Fill the contiguous CPU tensor `into` with the stored bytes from `start` on."""
+        f = self._files.get(stored.shard)
+        if f is None:
+            # kept open across reads (closed by close()); one handle per shard
+            f = open(self.directory / stored.shard, "rb", buffering=0)  # noqa: SIM115
+            self._files[stored.shard] = f
+        view, done = _writable_bytes(into), 0
+        f.seek(stored.offset + start)
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise ReleaseFormatError(
+                    f"{self.directory / stored.shard}: ended inside a tensor at byte "
+                    f"{stored.offset + start + done} (the file shrank while being read)"
+                )
+            done += n
+
     def _raw(self, name: str) -> torch.Tensor:
+        """A stored tensor as stored, in new memory."""
         stored = self._stored(name)
+        out = torch.empty(stored.shape, dtype=stored.dtype)
+        self._pread(stored, out)
         self.bytes_read += stored.nbytes
-        return self._handle(stored.shard).get_tensor(name)
+        return out
+
+    def _scratch_bytes(self, n: int) -> torch.Tensor:
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=torch.uint8)
+            self._index = torch.empty(n, dtype=torch.int32)
+        return self._scratch[:n]
 
     def read(
         self, name: str, dtype: torch.dtype | None = None, *, shape: Sequence[int] | None = None
@@ -251,26 +325,58 @@ class ReleaseReader:
             self.read_check(name, shape)
         kind = self.storage(name)
         if kind in ("fp8", "fp4"):
-            weight, scale = self._raw(name), self._raw(self._scale_of[name])
             out_dtype = dtype or torch.bfloat16
-            if kind == "fp8":
-                return dequantize_fp8(weight, scale, out_dtype)
-            return dequantize_fp4(weight, scale, out_dtype)
+            work = work_dtype(out_dtype)
+            out = torch.empty(self.shape(name), dtype=work)
+            self._decode_into(name, kind, out)
+            return out.to(out_dtype)
         tensor = self._raw(name)
         return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
 
-    def read_transposed_into(
-        self, name: str, out: torch.Tensor, dtype: torch.dtype, *, shape: Sequence[int]
-    ) -> None:
-        """`out.copy_(read(name, dtype, shape=shape).t())`: the same bits, but an FP4 expert
-        weight is dequantized straight into `out` (our experts are the release's transposed),
-        with no transposed temporary."""
-        if self.storage(name) != "fp4":
-            out.copy_(self.read(name, dtype, shape=shape).t())
-            return
+    def read_into(self, name: str, out: torch.Tensor, *, shape: Sequence[int]) -> None:
+        """`out.copy_(read(name, out.dtype, shape=shape))` without the temporary: bytes are read
+        straight into `out` when it is a contiguous CPU tensor of the stored dtype, and FP8 /
+        FP4 weights decode into it chunk by chunk."""
         self.read_check(name, shape)
-        weight, scale = self._raw(name), self._raw(self._scale_of[name])
-        dequantize_fp4_transposed_into(weight, scale, out, dtype)
+        kind = self.storage(name)
+        direct = out.device.type == "cpu" and out.is_contiguous()
+        if kind in ("fp8", "fp4") and direct and work_dtype(out.dtype) == out.dtype:
+            self._decode_into(name, kind, out)
+        elif direct and kind not in ("fp8", "fp4") and out.dtype == self.dtype(name):
+            stored = self._stored(name)
+            self._pread(stored, out)
+            self.bytes_read += stored.nbytes
+        else:
+            out.copy_(self.read(name, out.dtype))
+
+    def _decode_into(self, name: str, kind: str, out: torch.Tensor) -> None:
+        """Dequantize `name` into the contiguous CPU tensor `out`, a row chunk at a time."""
+        weight, scale = self._stored(name), self._raw(self._scale_of[name])
+        self.bytes_read += weight.nbytes
+        n, k = out.shape
+        if kind == "fp8" and k % FP8_BLOCK:  # partial column blocks: decode whole
+            out.copy_(dequantize_fp8(self._raw_counted(weight), scale, out.dtype))
+            return
+        row_bytes = weight.nbytes // n
+        block = FP8_BLOCK if kind == "fp8" else 1  # fp8 chunks start on a block row
+        rows = max(block, self.CHUNK // k // block * block)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            raw = self._scratch_bytes((r1 - r0) * row_bytes)
+            self._pread(weight, raw, r0 * row_bytes)
+            dst = out[r0:r1]
+            if kind == "fp8":
+                rb = r0 // FP8_BLOCK
+                s = scale[rb : rb + -(-(r1 - r0) // FP8_BLOCK)]
+                dequantize_fp8_into(raw.view(r1 - r0, k), s, dst, self._index)
+            else:
+                dequantize_fp4_into(raw.view(r1 - r0, k // 2), scale[r0:r1], dst, self._index)
+
+    def _raw_counted(self, stored: StoredTensor) -> torch.Tensor:
+        """The stored bytes of an already counted tensor, as its stored dtype."""
+        out = torch.empty(stored.shape, dtype=stored.dtype)
+        self._pread(stored, out)
+        return out
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`read` without the shape check (the name release.py's `build_state` callers use)."""

@@ -56,7 +56,7 @@ def _block_view(x: torch.Tensor, br: int, bc: int) -> tuple[torch.Tensor, int, i
     return x.view((n + pn) // br, br, (k + pk) // bc, bc), n, k
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where to multiply: e4m3 / e2m1 values and power-of-two scales are exact in bf16, fp32 and
     fp64, and one multiply rounds the exact product once, so computing straight in the target
     gives the same bits as float32-then-cast at a third of the memory traffic for bf16. Other
@@ -67,22 +67,61 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP8 e4m3 `[N, K]` with `[ceil(N/128), ceil(K/128)]` block scales -> `dtype` `[N, K]`."""
     n, k = weight.shape
+    _check_fp8(weight.shape, scale)
+    work = work_dtype(dtype)
+    if k % FP8_BLOCK == 0 and work == dtype and weight.device.type == "cpu":
+        out = torch.empty(n, k, dtype=dtype)
+        dequantize_fp8_into(weight, scale, out)
+        return out
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    w, _, _ = _block_view(weight.to(work), FP8_BLOCK, FP8_BLOCK)
+    w = w * e8m0_to_float(scale).to(work)[:, None, :, None]
+    return w.reshape(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].to(dtype)
+
+
+def _check_fp8(shape: torch.Size | tuple[int, ...], scale: torch.Tensor) -> None:
+    n, k = shape
     nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
     if tuple(scale.shape) != (nb, kb):
         raise ValueError(
             f"FP8 weight [{n}, {k}] needs a block scale of shape [{nb}, {kb}] (128x128 blocks), "
             f"got {list(scale.shape)}"
         )
-    work = _work_dtype(dtype)
-    s = e8m0_to_float(scale).to(work)
-    w = _fp8_decode(weight, work)
-    if n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0:
-        # the block scale broadcast over a view, applied in place: no expanded scale copy
-        w.view(nb, FP8_BLOCK, kb, FP8_BLOCK).mul_(s[:, None, :, None])
-        return w.to(dtype)
-    w, _, _ = _block_view(w, FP8_BLOCK, FP8_BLOCK)
-    w = w * s[:, None, :, None]
-    return w.reshape(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].to(dtype)
+
+
+def dequantize_fp8_into(
+    weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, index: torch.Tensor | None = None
+) -> None:
+    """`dequantize_fp8` written into `out` (contiguous CPU, bf16 / fp32 / fp64, K a multiple of
+    128; `weight` may be the uint8 bytes). Rows may be a slice of a larger weight that starts on
+    a 128-row block: `scale` holds the slice's block rows. `index` (int32, >= N*K elements) is
+    scratch a caller can reuse across tensors.
+
+    A 256-entry lookup decodes each byte (torch's CPU cast from float8 is scalar code, ~6x
+    slower), gathered straight into `out`; then the block scales multiply in place over a
+    broadcast view. e4m3 values times powers of two are exact in the work dtypes, so this is
+    bit-equal to float32-then-cast."""
+    n, k = out.shape
+    _check_fp8(out.shape, scale)
+    idx = _index_of(weight, index)
+    torch.index_select(_fp8_table(out.dtype), 0, idx, out=out.view(-1))
+    s = e8m0_to_float(scale).to(out.dtype)
+    full = n // FP8_BLOCK * FP8_BLOCK
+    if full:
+        blocks = out[:full].view(full // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+        blocks.mul_(s[: full // FP8_BLOCK, None, :, None])
+    if full < n:  # a last, partial block row
+        out[full:].view(n - full, k // FP8_BLOCK, FP8_BLOCK).mul_(s[-1][None, :, None])
+
+
+def _index_of(weight: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """The weight's bytes widened to int32 lookup indices (into `index` when given)."""
+    flat = weight.contiguous().view(torch.uint8).view(-1)
+    if index is None:
+        return flat.to(torch.int32)
+    idx = index[: flat.numel()]
+    idx.copy_(flat)
+    return idx
 
 
 @functools.cache
@@ -90,15 +129,6 @@ def _fp8_table(work: torch.dtype) -> torch.Tensor:
     """[256]: every e4m3 byte's value in `work`, converted by torch's own cast (so a lookup
     gives the same bits as `.to(work)`, NaN codes included)."""
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(work)
-
-
-def _fp8_decode(weight: torch.Tensor, work: torch.dtype) -> torch.Tensor:
-    """e4m3 `[N, K]` -> `work` `[N, K]` by a 256-entry lookup: torch's CPU cast from float8 is
-    elementwise scalar code, about 6x slower than widening the bytes and gathering."""
-    if weight.device.type != "cpu":
-        return weight.to(work)
-    index = weight.contiguous().view(torch.uint8).view(-1).to(torch.int32)
-    return _fp8_table(work).index_select(0, index).view(weight.shape)
 
 
 @functools.cache
@@ -109,8 +139,8 @@ def _fp4_pair_table(work: torch.dtype) -> torch.Tensor:
     return torch.stack([values[byte & 0xF], values[byte >> 4]], dim=1)
 
 
-def _check_fp4(weight: torch.Tensor, scale: torch.Tensor) -> None:
-    n, half = weight.shape
+def _check_fp4(shape: torch.Size | tuple[int, ...], scale: torch.Tensor) -> None:
+    n, half = shape
     k = 2 * half
     if k % FP4_BLOCK or tuple(scale.shape) != (n, k // FP4_BLOCK):
         raise ValueError(
@@ -122,45 +152,32 @@ def _check_fp4(weight: torch.Tensor, scale: torch.Tensor) -> None:
 def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP4 e2m1 packed `[N, K/2]` (int8 or float4_e2m1fn_x2) with `[N, K/32]` scales -> `[N, K]`."""
     n, half = weight.shape
-    k = 2 * half
-    _check_fp4(weight, scale)
-    # one gather per byte decodes both nibbles (a [256] table of value pairs, each pair one
-    # 4- or 8-byte word), then the power-of-two scale is applied in place over a broadcast view:
-    # a multiply by 2^e rounds the exact product once, the same bits as any other order
-    work = _work_dtype(dtype)
-    index = weight.contiguous().view(torch.uint8).view(-1).to(torch.int32)
-    pairs = _fp4_pair_words(work)
-    if pairs is not None:
-        w = pairs.index_select(0, index).view(work).view(n, k // FP4_BLOCK, FP4_BLOCK)
-    else:  # a pair wider than 8 bytes (float64): gather rows of two
-        w = F.embedding(index, _fp4_pair_table(work)).view(n, k // FP4_BLOCK, FP4_BLOCK)
-    w.mul_(e8m0_to_float(scale).to(work)[:, :, None])
-    return w.view(n, k).to(dtype)
+    _check_fp4(weight.shape, scale)
+    work = work_dtype(dtype)
+    out = torch.empty(n, 2 * half, dtype=work, device=weight.device)
+    dequantize_fp4_into(weight, scale, out)
+    return out.to(dtype)
 
 
-def dequantize_fp4_transposed_into(
-    weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, dtype: torch.dtype
+def dequantize_fp4_into(
+    weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, index: torch.Tensor | None = None
 ) -> None:
-    """`out.copy_(dequantize_fp4(weight, scale, dtype).t())` (the same bits), without the
-    transposed temporary when `out` is `dtype` with unit-stride rows: the bytes are transposed
-    (1 byte each), then each nibble's values are gathered straight into out's even / odd rows
-    ([K, N] = [K/2, 2, N]) and the scales applied in place."""
-    _check_fp4(weight, scale)
-    n, half = weight.shape
-    if tuple(out.shape) != (2 * half, n):
-        raise ValueError(f"FP4 weight [{n}, {2 * half}] transposed needs [{2 * half}, {n}], "
-                         f"got an output of shape {list(out.shape)}")  # fmt: skip
-    work = _work_dtype(dtype)
-    if work != dtype or out.dtype != dtype or out.stride(-1) != 1 or weight.device != out.device:
-        out.copy_(dequantize_fp4(weight, scale, dtype).t())
-        return
-    index = weight.view(torch.uint8).t().contiguous().view(-1).to(torch.int32)
-    rows = out.view(half, 2, n)
-    pairs = _fp4_pair_table(work)
-    scales = e8m0_to_float(scale).to(work).t().contiguous()[:, None, :]  # [K/32, 1, N]
-    for nibble in (0, 1):  # rows 2j + nibble; 32 rows share a scale = 16 of each nibble
-        values = pairs[:, nibble].index_select(0, index).view(half // 16, 16, n)
-        rows[:, nibble].copy_(values.mul_(scales).view(half, n))
+    """`dequantize_fp4` written into `out` (`[N, K]`, contiguous; any N rows of a weight with
+    their scale rows). `index` (int32, >= N*K/2 elements) is reusable scratch.
+
+    One gather per byte decodes both nibbles (a [256] table of value pairs, each pair one 4- or
+    8-byte word, written straight into `out`), then the power-of-two scale is applied in place
+    over a broadcast view: a multiply by 2^e rounds the exact product once, the same bits as
+    any other order."""
+    n, k = out.shape
+    _check_fp4((n, k // 2), scale)
+    idx = _index_of(weight, index)
+    pairs = _fp4_pair_words(out.dtype)
+    if pairs is not None:
+        torch.index_select(pairs, 0, idx, out=out.view(pairs.dtype).view(-1))
+    else:  # a pair wider than 8 bytes (float64): gather rows of two
+        out.view(-1, 2).copy_(F.embedding(idx, _fp4_pair_table(out.dtype)))
+    out.view(n, k // FP4_BLOCK, FP4_BLOCK).mul_(e8m0_to_float(scale).to(out.dtype)[:, :, None])
 
 
 @functools.cache

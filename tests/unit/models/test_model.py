@@ -140,8 +140,8 @@ def _rowwise_experts(x_MD, counts, w_gate_up, w_down, *, limit):
     from primus_v4.kernels.grouped_experts import clamped_swiglu
 
     e_M = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-    h = torch.bmm(x_MD[:, None], w_gate_up[e_M])
-    return torch.bmm(clamped_swiglu(h, limit), w_down[e_M])[:, 0]
+    h = torch.bmm(x_MD[:, None], w_gate_up[e_M].transpose(1, 2))
+    return torch.bmm(clamped_swiglu(h, limit), w_down[e_M].transpose(1, 2))[:, 0]
 
 
 def test_perturbing_a_sample_leaves_others_bit_identical(model, monkeypatch):

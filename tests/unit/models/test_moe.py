@@ -158,7 +158,7 @@ def test_grouped_experts_equal_per_token_loop(layer_idx):
     for t in range(9):
         for j in range(expert_RK.shape[1]):
             e = int(expert_RK[t, j])
-            h = clamped_swiglu(x_TD[t] @ moe.w_gate_up[e], moe.limit) @ moe.w_down[e]
+            h = clamped_swiglu(moe.w_gate_up[e] @ x_TD[t], moe.limit) @ moe.w_down[e].t()
             ref[t] += weight_RK[t, j] * h
     torch.testing.assert_close(y_TD, ref, rtol=1e-5, atol=1e-6)  # summation order differs
 

@@ -1,4 +1,4 @@
-"""Release directory IO: sharded atomic writes, memory-mapped reads, byte counting, errors."""
+"""Release directory IO: sharded atomic writes, positioned chunked reads, byte counting, errors."""
 
 from __future__ import annotations
 
@@ -172,3 +172,56 @@ def test_fp4_stored_as_float4_x2_reads_like_int8(tmp_path: Path) -> None:
             assert reader.nbytes("e.weight") == 64 * 48 + 64 * 3
             assert torch.equal(reader.read("e.weight", torch.float32),
                                dequantize_fp4(q, scale, torch.float32))  # fmt: skip
+
+
+def test_read_into_decodes_in_chunks_bit_equal_to_a_whole_read(tmp_path: Path, monkeypatch) -> None:
+    """Chunked decoding straight into the destination (fp8 chunks start on 128-row blocks, the
+    last block row partial; fp4 any rows) gives the bits of one whole dequantization."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {"a.weight": torch.randn(300, 256, generator=g),  # 3 block rows, the last 44 rows
+               "b.weight": torch.randn(70, 64, generator=g),
+               "n.weight": torch.randn(256, generator=g)}  # fmt: skip
+    kinds = {"a.weight": "fp8", "b.weight": "fp4", "n.weight": "bf16"}
+    out = tmp_path / "ck"
+    write_release(out, tensors.items(), kinds, {}, dtype="fp8")
+    want = {
+        "a.weight": dequantize_fp8(*quantize_fp8(tensors["a.weight"]), torch.float32),
+        "b.weight": dequantize_fp4(*quantize_fp4(tensors["b.weight"]), torch.float32),
+        "n.weight": tensors["n.weight"].to(torch.bfloat16),
+    }
+    # a: 128-row chunks (b: 512 rows, one chunk); then b: 8-row chunks, the last one 6 rows
+    for chunk in (256 * 128, 64 * 8):
+        monkeypatch.setattr(ReleaseReader, "CHUNK", chunk)
+        with ReleaseReader(out) as reader:
+            for name, ref in want.items():
+                dst = torch.full(ref.shape, float("nan"), dtype=ref.dtype)
+                reader.read_into(name, dst, shape=ref.shape)
+                assert torch.equal(dst, ref), (name, chunk)
+            assert reader.bytes_read == reader.total_bytes()
+            bf16 = torch.empty(300, 256, dtype=torch.bfloat16)  # decoded in bf16 directly
+            reader.read_into("a.weight", bf16, shape=(300, 256))
+            assert torch.equal(bf16, want["a.weight"].to(torch.bfloat16))
+
+
+def test_truncated_or_mismatched_shards_are_refused_before_reading(tmp_path: Path) -> None:
+    out = tmp_path / "ck"
+    write_release(out, _tensors().items(), KINDS, {}, max_shard_bytes=60_000)
+    shards = sorted(out.glob("model-*.safetensors"))
+    data = shards[0].read_bytes()
+    shards[0].write_bytes(data[:-10])
+    truncated = rf"{shards[0].name}: '.*' ends at byte {len(data)} but the file has "
+    with pytest.raises(
+        ReleaseFormatError, match=truncated + rf"{len(data) - 10} bytes: it is trunc"
+    ):
+        ReleaseReader(out)
+    shards[0].write_bytes(b"\x05")
+    with pytest.raises(ReleaseFormatError, match="not a safetensors file or truncated"):
+        ReleaseReader(out)
+    shards[0].write_bytes(data)
+    index = json.loads((out / INDEX_FILE).read_text())
+    name = next(n for n, s in index["weight_map"].items() if s == shards[0].name)
+    index["weight_map"][name] = shards[1].name
+    (out / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ReleaseFormatError, match=rf"the index maps '{name}' to this shard but it "
+                       "does not hold it"):  # fmt: skip
+        ReleaseReader(out)
