@@ -11,7 +11,8 @@ subprocess (so peaks do not mix) and each twice (best time kept):
   memory   peak RSS of the load vs the bytes of the loaded model's state
   export   `save_release(model, out, dtype=...)` (bf16, and fp8 incl. quantization)
            vs safetensors `save_file` of the same bytes in the same shard sizes
-Usage: python benchmarks/bench_checkpoint.py [--layers 11] [--dir /tmp]   (cleans up after)
+Usage: python benchmarks/bench_checkpoint.py [--layers 11] [--dir /tmp] [--threads N]
+(cleans up after)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import shutil
 import subprocess
@@ -27,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+THREADS = [0]  # --threads (0: torch's default)
 SHARD_BYTES = 1 << 30  # export shards (both sides): bounds what a writer holds at once
 
 
@@ -143,9 +146,13 @@ def _child_export(directory: str, scratch: str) -> dict:
 
 
 def _run_child(*args: str) -> dict:
+    env = dict(os.environ)
+    if THREADS[0]:  # torch reads it at start: every child (ours and the floors) alike
+        env["OMP_NUM_THREADS"] = str(THREADS[0])
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=False
-    )
+        [sys.executable, __file__, "--child", *args],
+        capture_output=True, text=True, check=False, env=env,
+    )  # fmt: skip
     if proc.returncode:
         raise RuntimeError(f"child {args} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -194,8 +201,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=11, help="decoder layers (11: ~1.08 GiB)")
     parser.add_argument("--dir", default=None, help="where the temp dir goes (default: $TMPDIR)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads in every case (default: torch's; on a shared machine "
+                             "1 avoids stalls of a descheduled second thread)")  # fmt: skip
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    THREADS[0] = args.threads
     if args.child:
         kind, *rest = args.child
         fn = {"floor": _child_floor_load, "load": _child_load, "export": _child_export}[kind]
@@ -211,6 +222,10 @@ def main() -> None:
             ours.append(_run_child("load", str(ckpt)))
         export = _run_child("export", str(ckpt), str(tmp))
         bf16 = [_run_child("floor", str(tmp / "export_bfloat16")) for _ in range(2)]
+        import torch
+
+        threads = args.threads or torch.get_num_threads()
+        print(f"torch threads per case: {threads} (of {os.cpu_count()} CPUs)")
         _report(written, floor, ours, export, bf16)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -172,3 +172,27 @@ def test_quantizers_name_bad_shapes() -> None:
         )
     with pytest.raises(ValueError, match=r"scale of shape \[4, 2\]"):
         dequantize_fp4(torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4, 1), torch.float32)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bf16_quantizers_give_the_float32_paths_bits(seed: int) -> None:
+    """bf16 weights quantize by table lookup: the same codes and scales as quantizing their
+    float32 values, for every finite bf16 bit pattern (zeros and subnormals included) in blocks
+    of random magnitudes; a block with NaN or inf is refused on both paths."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = torch.randperm(65536, generator=g).to(torch.int32).to(torch.uint16)
+    w = patterns.view(torch.bfloat16).view(512, 128).clone()
+    w[~torch.isfinite(w)] = 3.0  # a NaN or inf has no scale: refused (below)
+    rows = torch.logspace(-35, 35, 512, dtype=torch.float64)[torch.randperm(512, generator=g)]
+    w[::2] = (torch.randn(256, 128, generator=g, dtype=torch.float64) * rows[::2, None]).to(w.dtype)
+    for quantize, shape in ((quantize_fp8, (512, 128)), (quantize_fp4, (2048, 32))):
+        x = w.view(shape)
+        fast, ref = quantize(x), quantize(x.float())
+        for a, b in zip(fast, ref, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for bad in (float("nan"), float("inf")):
+            y = x.clone()
+            y[5, 7] = bad
+            for z in (y, y.float()):
+                with pytest.raises(ValueError, match=r"1 quantization block\(s\) hold NaN or inf"):
+                    quantize(z)
