@@ -126,19 +126,25 @@ def _child_export(directory: str, scratch: str) -> dict:
     out: dict = {}
     for dtype in ("bfloat16", "fp8"):
         target = Path(scratch) / f"export_{dtype}"
+        os.sync()  # both sides start with no dirty pages to write back
         start = time.perf_counter()
         save_release(model, target, dtype=dtype, max_shard_bytes=SHARD_BYTES, progress=False)
         ours = time.perf_counter() - start
-        # the floor writes exactly the bytes the export wrote, in final form, shard by shard
-        floor, copy = 0.0, Path(scratch) / f"floor_{dtype}.safetensors"
+        # the floor writes exactly the bytes the export wrote, in final form, shard by shard,
+        # into files that stay (as the export's do) until both are timed: a file deleted before
+        # write-back would never reach the disk
+        copies = Path(scratch) / f"floor_{dtype}"
+        copies.mkdir()
+        os.sync()
+        floor = 0.0
         for shard in sorted(target.glob("*.safetensors")):
             with safe_open(shard, framework="pt") as f:
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+                tensors = {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118
             start = time.perf_counter()
-            save_file(tensors, copy, metadata={"format": "pt"})
+            save_file(tensors, copies / shard.name, metadata={"format": "pt"})
             floor += time.perf_counter() - start
             del tensors
-            copy.unlink()
+        shutil.rmtree(copies)
         out[dtype] = {"ours_s": ours, "floor_s": floor}
         if dtype == "fp8":  # the bf16 export stays: the second load floor reads it
             shutil.rmtree(target)

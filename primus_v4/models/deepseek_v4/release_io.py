@@ -406,8 +406,8 @@ def _encode(
             q, scale = quantize_fp8(tensor) if storage == "fp8" else quantize_fp4(tensor)
         except ValueError as err:
             raise ReleaseFormatError(
-                f"'{name}' {list(tensor.shape)}: {err}; it cannot be stored in the release's "
-                f"{storage} layout (export non-finite weights as 'bfloat16' to inspect them)"
+                f"'{name}' {list(tensor.shape)}: {err}; the release's {storage} layout cannot "
+                "hold it, export with dtype 'bfloat16'"
             ) from None
         return [(name, q), (name.removesuffix(".weight") + ".scale", scale)]
     target = torch.bfloat16 if storage in ("fp8", "fp4") else _PLAIN_DTYPES.get(storage)
