@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import save_file
 
+from primus_v4.models.deepseek_v4.release_errors import ReleaseFormatError
 from primus_v4.models.deepseek_v4.release_quant import (
     FP4_BLOCK,
     FP8_BLOCK,
@@ -33,6 +33,12 @@ from primus_v4.models.deepseek_v4.release_quant import (
     quantize_fp4,
     quantize_fp8,
     work_dtype,
+)
+from primus_v4.models.deepseek_v4.safetensors_io import (
+    ShardWriter,
+    StoredTensor,
+    read_header,
+    writable_bytes,
 )
 
 CONFIG_FILE = "config.json"
@@ -53,44 +59,6 @@ _PLAIN_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "int64": torch.int64,
 }
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu,
-    "F4": torch.float4_e2m1fn_x2,
-}
-
-
-class ReleaseFormatError(ValueError):
-    """A release directory or one of its tensors is not what the reader or caller expects."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class StoredTensor:
-    """One tensor as stored: its shard file, safetensors dtype, stored shape and where its bytes
-    lie in the file."""
-
-    shard: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset of the data in the shard file
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-_MAX_HEADER = 1 << 28  # safetensors headers are JSON of a few MB; more is a corrupt length
 
 
 def _load_json(path: Path) -> dict:
@@ -100,51 +68,6 @@ def _load_json(path: Path) -> dict:
         raise ReleaseFormatError(f"{path}: missing (a release directory needs it)") from None
     except json.JSONDecodeError as err:
         raise ReleaseFormatError(f"{path}: not valid JSON ({err})") from None
-
-
-def _read_header(path: Path) -> dict[str, StoredTensor]:
-    """The tensors of one safetensors file, every byte range checked against the file's size
-    (a truncated download fails here, before anything is read)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if length < 0 or length > min(size - 8, _MAX_HEADER):
-            raise ReleaseFormatError(
-                f"{path}: not a safetensors file or truncated ({size} bytes, header length "
-                f"{length}); fetch the file again"
-            )
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ReleaseFormatError(f"{path}: unreadable safetensors header ({err})") from None
-    out: dict[str, StoredTensor] = {}
-    for name, info in header.items():
-        if name != "__metadata__":
-            out[name] = _stored_entry(path, name, info, 8 + length, size)
-    return out
-
-
-def _stored_entry(path: Path, name: str, info: dict, base: int, size: int) -> StoredTensor:
-    dtype = _ST_DTYPES.get(info.get("dtype"))
-    if dtype is None:
-        raise ReleaseFormatError(f"{path}: '{name}' has unsupported dtype {info.get('dtype')}")
-    shape = tuple(int(d) for d in info["shape"])
-    if dtype == torch.float4_e2m1fn_x2:  # safetensors counts 4-bit values; torch pairs them
-        shape = (*shape[:-1], shape[-1] // 2)
-    begin, end = (int(x) for x in info["data_offsets"])
-    stored = StoredTensor(shard=path.name, dtype=dtype, shape=shape, offset=base + begin)
-    if end - begin != stored.nbytes:
-        raise ReleaseFormatError(
-            f"{path}: '{name}' {list(shape)} {info['dtype']} needs {stored.nbytes} bytes but its "
-            f"data_offsets span {end - begin}; the file is corrupt"
-        )
-    if base + end > size:
-        raise ReleaseFormatError(
-            f"{path}: '{name}' ends at byte {base + end} but the file has {size} bytes: it is "
-            "truncated (an incomplete download or copy); fetch it again"
-        )
-    return stored
 
 
 def _weight_map(directory: Path) -> dict[str, str]:
@@ -166,16 +89,11 @@ def _weight_map(directory: Path) -> dict[str, str]:
         return dict(weight_map)
     single = directory / SINGLE_FILE
     if single.is_file():
-        return dict.fromkeys(_read_header(single), SINGLE_FILE)
+        return dict.fromkeys(read_header(single), SINGLE_FILE)
     raise ReleaseFormatError(
         f"{directory}: neither {INDEX_FILE} nor {SINGLE_FILE}; point at a released checkpoint "
         "directory (config.json + safetensors)"
     )
-
-
-def _writable_bytes(t: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's bytes as a writable buffer (no copy)."""
-    return memoryview(t.view(torch.uint8).view(-1).numpy())
 
 
 class ReleaseReader:
@@ -199,7 +117,7 @@ class ReleaseReader:
         self._shard_of = _weight_map(self.directory)
         self._meta: dict[str, StoredTensor] = {}
         for shard in sorted(set(self._shard_of.values())):
-            self._meta.update(_read_header(self.directory / shard))
+            self._meta.update(read_header(self.directory / shard))
         for name, shard in self._shard_of.items():
             if self._meta.get(name, None) is None or self._meta[name].shard != shard:
                 raise ReleaseFormatError(
@@ -291,7 +209,7 @@ class ReleaseReader:
             # kept open across reads (closed by close()); one handle per shard
             f = open(self.directory / stored.shard, "rb", buffering=0)  # noqa: SIM115
             self._files[stored.shard] = f
-        view, done = _writable_bytes(into), 0
+        view, done = writable_bytes(into), 0
         f.seek(stored.offset + start)
         while done < len(view):
             n = f.readinto(view[done:])
@@ -494,6 +412,36 @@ def write_release(
     )
 
 
+def _encoded(
+    tensors: Iterable[tuple[str, torch.Tensor]], storage: Callable[[str], str], dtype: ExportDtype
+) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    """(logical name, stored tensors) per source tensor, the next one pulled and encoded on a
+    worker thread while the caller writes this one (torch ops and file writes release the
+    GIL): quantizing overlaps the disk instead of adding to it. At most two encoded tensors
+    are alive."""
+    source = iter(tensors)
+
+    def pull() -> tuple[str, list[tuple[str, torch.Tensor]]] | None:
+        item = next(source, None)
+        if item is None:
+            return None
+        name, tensor = item
+        return name, _encode(name, tensor, storage(name), dtype)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-encode") as pool:
+        ahead = pool.submit(pull)
+        while (item := ahead.result()) is not None:
+            ahead = pool.submit(pull)
+            yield item
+
+
+def _header_room(max_shard_bytes: int) -> int:
+    """Room reserved for a shard's header: ~1/1024 of its bytes (a header entry is ~150 B, a
+    Flash shard of 5 GB holds ~800 tensors), within [2 KiB, 2 MiB]; a shard whose header is
+    full is closed early."""
+    return min(2 << 20, max(2 << 10, max_shard_bytes // 1024))
+
+
 def _write_shards(
     tmp: Path,
     tensors: Iterable[tuple[str, torch.Tensor]],
@@ -503,41 +451,45 @@ def _write_shards(
     progress: Callable[[int], None] | None,
 ) -> tuple[list[str], dict[str, str], int]:
     """Stream tensors into numbered shards, then give them their final `-of-` names."""
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes, total = 0, 0
     written: list[tuple[str, list[str]]] = []
     seen: set[str] = set()
-
-    def flush() -> None:
-        nonlocal pending, pending_bytes
-        if pending:
-            path = tmp / f"shard-{len(written):05d}.safetensors"
-            save_file(pending, path, metadata={"format": "pt"})
-            written.append((path.name, list(pending)))
-        pending, pending_bytes = {}, 0
-
-    for name, tensor in tensors:
-        encoded = _encode(name, tensor, storage(name), dtype)
-        size = sum(t.numel() * t.element_size() for _, t in encoded)
-        if pending and pending_bytes + size > max_shard_bytes:
-            flush()
-        for stored_name, t in encoded:
-            if stored_name in seen:
-                raise ReleaseFormatError(f"'{stored_name}' given twice to write_release")
-            seen.add(stored_name)
-            pending[stored_name] = t
-        pending_bytes += size
-        total += size
-        if progress is not None:
-            progress(1)
-    flush()
+    shard: ShardWriter | None = None
+    total = 0
+    try:
+        for _, encoded in _encoded(tensors, storage, dtype):
+            size = sum(t.numel() * t.element_size() for _, t in encoded)
+            full = shard is not None and (
+                shard.data_bytes + size > max_shard_bytes or not shard.fits(encoded)
+            )
+            if shard is not None and full and shard.names:
+                shard.close()
+                written.append((shard.path.name, shard.names))
+                shard = None
+            if shard is None:
+                path = tmp / f"shard-{len(written):05d}.safetensors"
+                shard = ShardWriter(path, header_room=_header_room(max_shard_bytes))
+            for stored_name, t in encoded:
+                if stored_name in seen:
+                    raise ReleaseFormatError(f"'{stored_name}' given twice to write_release")
+                seen.add(stored_name)
+                shard.add(stored_name, t)
+            total += size
+            if progress is not None:
+                progress(1)
+        if shard is not None:
+            shard.close()
+            written.append((shard.path.name, shard.names))
+            shard = None
+    finally:
+        if shard is not None:
+            shard.abort()
     weight_map: dict[str, str] = {}
     final: list[str] = []
     for i, (tmp_name, names) in enumerate(written):
-        shard = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-        (tmp / tmp_name).rename(tmp / shard)
-        final.append(shard)
-        weight_map.update(dict.fromkeys(names, shard))
+        name = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        (tmp / tmp_name).rename(tmp / name)
+        final.append(name)
+        weight_map.update(dict.fromkeys(names, name))
     return final, weight_map, total
 
 

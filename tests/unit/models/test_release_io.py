@@ -225,3 +225,29 @@ def test_truncated_or_mismatched_shards_are_refused_before_reading(tmp_path: Pat
     with pytest.raises(ReleaseFormatError, match=rf"the index maps '{name}' to this shard but it "
                        "does not hold it"):  # fmt: skip
         ReleaseReader(out)
+
+
+def test_streamed_shards_are_safetensors_files(tmp_path: Path) -> None:
+    """The streaming writer's files read back through the safetensors library itself, every
+    stored dtype included; a shard whose reserved header room fills up is closed early."""
+    from safetensors import safe_open
+
+    tensors = {f"layers.{i}.attn_norm.weight": torch.randn(3 + i) for i in range(40)}
+    tensors |= _tensors(4)
+    kinds = dict.fromkeys(tensors, "bf16") | KINDS
+    out = tmp_path / "ck"
+    summary = write_release(out, tensors.items(), kinds, {}, dtype="fp8", max_shard_bytes=2 << 20)
+    # 36 KB of data is far below 2 MiB, but 49 header entries of ~100 B overflow the 2 KiB room
+    assert summary.shards >= 2 and summary.tensors == len(tensors) + 3  # + 3 scales
+    with ReleaseReader(out) as reader:
+        for shard in sorted(out.glob("model-*.safetensors")):
+            with safe_open(shard, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    got, want = f.get_tensor(name), reader._raw(name)
+                    assert got.dtype == want.dtype and torch.equal(
+                        got.view(torch.uint8), want.view(torch.uint8)
+                    ), name
+    assert {d for d in (reader.dtype(n) for n in reader.stored_names())} == {
+        torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.bfloat16, torch.float32,
+        torch.int64,
+    }  # fmt: skip
