@@ -25,7 +25,7 @@ from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_paral
 from primus_v4.training.checkpoint import CheckpointManager
 from primus_v4.training.optim import build_optimizer
 
-EXPERT = "layers.1.moe.w_down"  # a top-k routed layer's expert weight, [E, F, D] globally
+EXPERT = "layers.1.moe.w_down"  # a top-k routed layer's expert weight, [E, D, F] globally
 
 
 def _cfg() -> DeepseekV4Config:
