@@ -177,6 +177,11 @@ class OptimConfig:
     """AdamW denominator epsilon."""
     offload_fraction: float = 0.0
     """Fraction of the optimizer state (and its update) kept in host memory, in [0, 1]."""
+    grad_reduce_dtype: Literal["float32", "float64"] = "float32"
+    """dtype the gradients are accumulated over micro-batches and summed over replicas in, before
+    the fp32 step. float64 makes the sums independent of how micro-batches are split over DP
+    ranks (dp=N gives the same bits as dp=1, e.g. for parity checks) for 2x the gradient-buffer
+    and reduce-scatter bytes; float32 keeps the sums AdamW always got (training/zero.py)."""
 
     def __post_init__(self) -> None:
         for name in ("beta1", "beta2"):

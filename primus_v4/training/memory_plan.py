@@ -2,7 +2,8 @@
 
 Static terms come from the model built on the meta device and cut like the trainer cuts it
 (pipeline stage, experts / ep) and from the optimizer's layout (training.zero): weights in the
-model dtype; fp32 gradient buckets (full size, plus this rank's reduced shard when replicas > 1);
+model dtype; fp32 gradient buckets (full size, plus this rank's reduced shard when replicas > 1;
+fp64 ones plus an fp32 copy of the shard with `optim.grad_reduce_dtype: float64`);
 fp32 masters (none for float32 parameters: they are their own masters) and two fp32 moments for
 this rank's 1/n chunk, split device / host by `optim.offload_fraction`.
 
@@ -247,7 +248,11 @@ def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]
     on_host = sum(chunks[i] for i in host)
     on_dev = sum(chunks) - on_host
     plan.add(f"weights ({cfg.model.dtype})", weights)
-    plan.add("fp32 gradient buckets (+ reduced shard)", 4 * (padded + shards))
+    if cfg.optim.grad_reduce_dtype == "float64":  # float64 buckets and shard, an fp32 copy
+        plan.add("fp64 gradient buckets (+ reduced shard, fp32 copy)",
+                 8 * (padded + shards) + 4 * sum(chunks))  # fmt: skip
+    else:
+        plan.add("fp32 gradient buckets (+ reduced shard)", 4 * (padded + shards))
     if d != 4:
         plan.add("fp32 master chunks", 4 * on_dev, 4 * on_host)
     elif on_host:

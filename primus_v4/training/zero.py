@@ -5,7 +5,8 @@ chunk, S = one rank's segment of a bucket (sum of its parameters' chunks).
 
 Per parameter (DESIGN.md section 9):
   * gradients accumulate in fp32 over the step's micro-batches: a post-accumulate-grad hook adds
-    each micro-batch's gradient (bf16 or fp32) into an fp32 bucket buffer and frees `p.grad`;
+    each micro-batch's gradient (bf16 or fp32) into an fp32 bucket buffer and frees `p.grad`
+    (`grad_dtype` float64 instead: see "Split-independent sums" below);
   * replicas: everything but expert shards over DP x CP (`ctx.dp_cp`), expert shards over
     expert-DP (`ctx.expert_dp`). Rank r of n owns the flat range [r c, (r + 1) c) of each
     parameter (torch.chunk / DTensor Shard(0) semantics), so a checkpoint stores each state
@@ -19,6 +20,19 @@ Per parameter (DESIGN.md section 9):
     the parameter itself, so float32 runs step exactly the tensors and math they always did);
     `offload_fraction` keeps the largest chunks, masters and moments, on the host;
   * after the step each bucket's updated chunks, rounded to the parameter dtype, are all-gathered.
+
+Split-independent sums (`optim.grad_reduce_dtype: float64`, opt-in). In float32 the step's
+gradient depends on how micro-batches are split over DP ranks: one rank of dp=1 folds four
+micro-batches ((m0 + m1) + m2) + m3, dp=2 sums (m0 + m1) + (m2 + m3), and no order of the
+replica sums can rebuild the fold without keeping every micro-batch's gradient. Measured on the
+tiny model under cp=2 (one step, 415k elements): the two groupings differ in 26% of the
+elements, by up to 2.5e-3 relative where terms cancel; AdamW divides by sqrt(v) + eps, so an
+element with |g| near eps (1e-8) turns that into a weight difference of ~lr x 1e-3 after one
+step (2.7e-5 at lr 1e-2), and by step 3 a router near-tie (top-2 scores 1.2e-7 apart) picks
+another expert. float64 buckets and replica sums are exact for fp32 summands within 2^29 of
+each other, so both groupings give the same float64 value and the same rounded fp32 gradient
+(0 of the 415k elements differ): dp=N reproduces dp=1 bit for bit, for twice the gradient-buffer
+bytes and twice the reduce-scatter bytes. The default stays float32, the sums AdamW always got.
 
 Why not torch FSDP2 (`fully_shard` + MixedPrecisionPolicy), which does run on gloo CPU here: it
 turns parameters into DTensors sharded for compute (ZeRO-3), while this engine's expert shards
@@ -82,13 +96,18 @@ class Bucket:
     index: int
     slots: list[Slot] = field(default_factory=list)
     segment: int = 0  # S
-    grad: torch.Tensor | None = None  # fp32 [n * S], rank-major
-    shard: torch.Tensor | None = None  # fp32 [S]: this rank's reduced segment
+    grad: torch.Tensor | None = None  # grad_dtype [n * S], rank-major
+    shard: torch.Tensor | None = None  # grad_dtype [S]: this rank's reduced segment
+    reduced: torch.Tensor | None = None  # fp32 [S]: `shard` rounded (is `shard` in fp32)
     work: Any = None
     launched: bool = False
     deferred: bool = False  # holds a parameter whose gradient is finished after backward
     expected: int = 0
     done: int = 0
+
+    def buffer_bytes(self) -> int:
+        distinct = {id(t): t for t in (self.grad, self.shard, self.reduced)}.values()
+        return sum(t.numel() * t.element_size() for t in distinct)
 
     def chunk_view(self, slot: Slot, buffer: torch.Tensor) -> torch.Tensor:
         """[n, c] strided view of `slot`'s chunks inside a rank-major [n * S] buffer."""
@@ -147,8 +166,15 @@ class ShardedAdamW(Optimizer):
         foreach: bool | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         deferred: Callable[[nn.Parameter], bool] | None = None,
+        grad_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.ctx = ctx
+        if grad_dtype not in (torch.float32, torch.float64):
+            raise ConfigError(
+                f"ShardedAdamW grad_dtype must be float32 or float64, got {grad_dtype}: set "
+                "optim.grad_reduce_dtype to one of them"
+            )
+        self.grad_dtype = grad_dtype
         slots = [
             Slot(name=n, param=p, group=int(_no_decay(n, p)), expert=is_expert_param(p))
             for n, p in named
@@ -188,7 +214,8 @@ class ShardedAdamW(Optimizer):
             n = axis.size
             slot.chunk = -(-slot.numel // n)
             alone = deferred(slot.param)  # in a bucket of its own, exposed as `main_grad`
-            if alone or b is None or b.deferred or b.segment * n * 4 >= bucket_bytes:
+            full = b is not None and b.segment * n * self.grad_dtype.itemsize >= bucket_bytes
+            if alone or b is None or b.deferred or full:
                 b = current[slot.expert] = Bucket(axis=axis, deferred=alone, index=len(buckets))
                 buckets.append(b)
             slot.bucket, slot.offset = b.index, b.segment
@@ -199,10 +226,13 @@ class ShardedAdamW(Optimizer):
                                                                       slot.numel)  # fmt: skip
         for b in buckets:
             dev = b.slots[0].param.device
-            b.grad = torch.zeros(b.axis.size * b.segment, dtype=torch.float32, device=dev)
-            b.shard = b.grad if b.axis.size == 1 else torch.zeros(b.segment, device=dev)
+            kind = {"dtype": self.grad_dtype, "device": dev}
+            b.grad = torch.zeros(b.axis.size * b.segment, **kind)
+            b.shard = b.grad if b.axis.size == 1 else torch.zeros(b.segment, **kind)
+            wide = self.grad_dtype != torch.float32
+            b.reduced = torch.zeros(b.segment, device=dev) if wide else b.shard
             for s in b.slots:
-                s.grad = b.shard[s.offset : s.offset + s.size]
+                s.grad = b.reduced[s.offset : s.offset + s.size]
             if b.deferred:
                 # The flat parameter padded to n x c (rank-major of one parameter = flat order),
                 # the same layout on every pipeline stage that holds a copy.
@@ -301,6 +331,8 @@ class ShardedAdamW(Optimizer):
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
+            if b.reduced is not b.shard:
+                b.reduced.copy_(b.shard)  # float64 sums rounded once, to what AdamW steps on
             b.done, b.launched, b.work = 0, False, None
             for s in b.slots:
                 s.calls = 0
@@ -317,6 +349,8 @@ class ShardedAdamW(Optimizer):
             b.grad.zero_()
             if b.shard is not b.grad:
                 b.shard.zero_()
+            if b.reduced is not b.shard:
+                b.reduced.zero_()
         for s in self.slots:
             s.param.grad = None
 
@@ -400,8 +434,7 @@ class ShardedAdamW(Optimizer):
             if not s.aliased:
                 out[f"master_{where}"] += size
             out[f"moments_{where}"] += 2 * size
-        out["grad_buffers"] = sum(b.grad.numel() * 4 + (b.shard is not b.grad) * b.segment * 4
-                                  for b in self.buckets)  # fmt: skip
+        out["grad_buffers"] = sum(b.buffer_bytes() for b in self.buckets)
         return out
 
     def describe(self) -> str:
@@ -410,7 +443,8 @@ class ShardedAdamW(Optimizer):
         dev = b["master_device"] + b["moments_device"]
         return (
             f"{len(self.slots)} parameters in {len(self.buckets)} buckets, masters + moments "
-            f"{dev / 2**20:.1f} MiB device + {host / 2**20:.1f} MiB host, fp32 grads "
+            f"{dev / 2**20:.1f} MiB device + {host / 2**20:.1f} MiB host, "
+            f"{str(self.grad_dtype).removeprefix('torch.')} grads "
             f"{b['grad_buffers'] / 2**20:.1f} MiB (dp x cp {self.ctx.dp_cp.size}, expert-dp "
             f"{self.ctx.expert_dp.size})"
         )
@@ -452,6 +486,7 @@ def build_sharded_optimizer(
         # The tied MTP embedding of a pipeline's first and last stage: its gradient is summed
         # across the two stages after the schedule, before the replicas reduce it.
         deferred=lambda p: bool(getattr(p, "pipeline_tied", False)),
+        grad_dtype=getattr(torch, o.grad_reduce_dtype),
     )
     schedule = warmup_cosine(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                              total_steps=steps)  # fmt: skip

@@ -134,3 +134,37 @@ def test_bf16_loss_tracks_float32_at_the_default_lr(tmp_path: Path) -> None:
     deviation = max(abs(b - a) / a for a, b in pairs)
     print(f"\nbf16 vs float32 loss over 6 steps: max relative deviation {100 * deviation:.3f}%")
     assert deviation < 0.01  # bf16 activations: ~0.1% per step early in training
+
+
+def _accumulated(grads: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+    """The reduced fp32 gradient ShardedAdamW hands AdamW after `grads` as micro-batches."""
+    from primus_v4.parallel.groups import ParallelContext
+    from primus_v4.training.zero import ShardedAdamW
+
+    p = torch.nn.Parameter(torch.zeros(grads[0].numel()))
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+    opt = ShardedAdamW([("w", p)], ParallelContext.single(), **hyper, offload_fraction=0.0,
+                       grad_dtype=dtype)  # fmt: skip
+    opt.zero_grad()
+    opt.begin(len(grads))
+    for g in grads:
+        (p * g).sum().backward()  # p.grad = g exactly
+    opt.reduce_gradients()
+    return opt.slots[0].grad.clone(), opt.state_bytes()
+
+
+def test_float64_gradient_sums_do_not_depend_on_the_micro_batch_grouping() -> None:
+    """What makes dp=2 reproduce dp=1 (training.zero): the float32 gradient of a step summed in
+    float64 is the same whichever order the micro-batches arrive in."""
+    gen = torch.Generator().manual_seed(0)
+    scale = 10.0 ** torch.randint(-4, 4, (4, 4096), generator=gen)  # magnitudes 1e-4..1e3
+    grads = list(torch.randn(4, 4096, generator=gen) * scale)
+    orders = (grads, grads[2:] + grads[:2], grads[::-1])
+    f32 = [_accumulated(list(o), torch.float32)[0] for o in orders]
+    f64, buffers = zip(*(_accumulated(list(o), torch.float64) for o in orders), strict=True)
+    assert not torch.equal(f32[0], f32[1])  # float32 sums do depend on the order (the premise)
+    exact = torch.stack(grads).double().sum(0).float()
+    assert all(g.dtype == torch.float32 and torch.equal(g, exact) for g in f64)
+    # float64 buckets (here the bucket is its own shard) plus the fp32 copy AdamW steps on.
+    assert buffers[0]["grad_buffers"] == 4096 * (8 + 4)
+    assert _accumulated(grads, torch.float32)[1]["grad_buffers"] == 4096 * 4
