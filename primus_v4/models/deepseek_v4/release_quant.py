@@ -98,21 +98,43 @@ def dequantize_fp8_into(
     a 128-row block: `scale` holds the slice's block rows. `index` (int32, >= N*K elements) is
     scratch a caller can reuse across tensors.
 
-    A 256-entry lookup decodes each byte (torch's CPU cast from float8 is scalar code, ~6x
-    slower), gathered straight into `out`; then the block scales multiply in place over a
-    broadcast view. e4m3 values times powers of two are exact in the work dtypes, so this is
-    bit-equal to float32-then-cast."""
+    One gather per byte from a table of every (scale, e4m3 byte) product (`_scaled_table`;
+    torch's CPU cast from float8 is scalar code, ~6x slower), indexed by `byte + 256 x scale
+    byte` built over a broadcast view of the block scales, written straight into `out`.
+    e4m3 values times powers of two are exact in the work dtypes, so this is bit-equal to
+    float32-then-cast. Float scales (older checkpoints) multiply after the gather instead."""
     n, k = out.shape
     _check_fp8(out.shape, scale)
-    idx = _index_of(weight, index)
-    torch.index_select(_fp8_table(out.dtype), 0, idx, out=out.view(-1))
-    s = e8m0_to_float(scale).to(out.dtype)
     full = n // FP8_BLOCK * FP8_BLOCK
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        idx = _index_of(weight, index)
+        shift = scale.view(torch.uint8).to(torch.int32) << 8
+        if full:
+            view = idx[: full * k].view(full // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+            view.add_(shift[: full // FP8_BLOCK, None, :, None])
+        if full < n:  # a last, partial block row
+            idx[full * k :].view(n - full, k // FP8_BLOCK, FP8_BLOCK).add_(shift[-1][None, :, None])
+        torch.index_select(_scaled_table("fp8", out.dtype), 0, idx, out=out.view(-1))
+        return
+    torch.index_select(_fp8_table(out.dtype), 0, _index_of(weight, index), out=out.view(-1))
+    s = e8m0_to_float(scale).to(out.dtype)
     if full:
         blocks = out[:full].view(full // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
         blocks.mul_(s[: full // FP8_BLOCK, None, :, None])
-    if full < n:  # a last, partial block row
+    if full < n:
         out[full:].view(n - full, k // FP8_BLOCK, FP8_BLOCK).mul_(s[-1][None, :, None])
+
+
+@functools.cache
+def _scaled_table(fmt: str, work: torch.dtype) -> torch.Tensor:
+    """[65536]: entry `scale_byte * 256 + byte` is the stored byte's value (fp8: one e4m3;
+    fp4: the pair of e2m1 nibbles, as one word) times the e8m0 scale, multiplied in `work`
+    exactly as the scale-after-decode path does (so the same bits, NaN scale 255 included)."""
+    scales = e8m0_to_float(torch.arange(256, dtype=torch.uint8)).to(work)
+    if fmt == "fp8":
+        return (scales[:, None] * _fp8_table(work)[None, :]).reshape(-1)
+    values = scales[:, None, None] * _fp4_pair_table(work)[None]  # [scale, byte, 2]
+    return values.contiguous().view(_fp4_pair_words(work).dtype).reshape(-1)
 
 
 def _index_of(weight: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -166,14 +188,21 @@ def dequantize_fp4_into(
     """`dequantize_fp4` written into `out` (`[N, K]`, contiguous; any N rows of a weight with
     their scale rows). `index` (int32, >= N*K/2 elements) is reusable scratch.
 
-    One gather per byte decodes both nibbles (a [256] table of value pairs, each pair one 4- or
-    8-byte word, written straight into `out`), then the power-of-two scale is applied in place
-    over a broadcast view: a multiply by 2^e rounds the exact product once, the same bits as
-    any other order."""
+    One gather per byte decodes both nibbles and applies the scale: a table of every (scale,
+    byte) pair of values (`_scaled_table`, each pair one 4- or 8-byte word), indexed by `byte +
+    256 x scale byte` over a broadcast view (32 inputs = 16 bytes share a scale), written
+    straight into `out`. A multiply by 2^e rounds the exact product once, so the table holds
+    the bits of any other order. Float scales or float64 multiply after the gather."""
     n, k = out.shape
     _check_fp4((n, k // 2), scale)
     idx = _index_of(weight, index)
     pairs = _fp4_pair_words(out.dtype)
+    if pairs is not None and scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        shift = scale.view(torch.uint8).to(torch.int32) << 8
+        idx.view(n, k // FP4_BLOCK, FP4_BLOCK // 2).add_(shift[:, :, None])
+        words = out.view(pairs.dtype).view(-1)
+        torch.index_select(_scaled_table("fp4", out.dtype), 0, idx, out=words)
+        return
     if pairs is not None:
         torch.index_select(pairs, 0, idx, out=out.view(pairs.dtype).view(-1))
     else:  # a pair wider than 8 bytes (float64): gather rows of two
