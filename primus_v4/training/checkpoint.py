@@ -60,6 +60,26 @@ log = get_logger(__name__)
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+# What the model tensors of a checkpoint mean. 2: the released architecture (gate bias, tid2eid,
+# compressor wkv + wgate, ...) with routed experts stored [E, out, in]. Checkpoints that record
+# none were written before: experts [E, in, out] under the same names, some with the same
+# shapes, so loading them would silently transpose experts. They are refused by name.
+MODEL_LAYOUT = 2
+
+
+def check_layout(path: Path) -> None:
+    """Raise unless checkpoint `path` holds this version's model layout."""
+    try:
+        layout = json.loads((path / COMPLETE).read_text()).get("model_layout", 1)
+    except (OSError, ValueError):
+        return  # a missing / unreadable COMPLETE: the integrity checks name it
+    if layout != MODEL_LAYOUT:
+        raise PrimusError(
+            f"checkpoint {path} holds model layout {layout}; this primus_v4 reads layout "
+            f"{MODEL_LAYOUT} (the released DeepSeek-V4 architecture, experts stored [E, out, "
+            "in]), so it cannot be resumed or exported here. Start a new checkpoint.dir, from "
+            "the released weights (model.pretrained) or from scratch"
+        )
 
 
 class Stateful(Protocol):
@@ -228,7 +248,8 @@ def save(
 
 def _publish(root: Path, tmp: Path, final: Path, step: int) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
-    write_durable(tmp / COMPLETE, json.dumps({"step": step, "world_size": world}) + "\n")
+    info = {"step": step, "world_size": world, "model_layout": MODEL_LAYOUT}
+    write_durable(tmp / COMPLETE, json.dumps(info) + "\n")
     fsync_dir(tmp)
     if final.exists():  # the same step saved again (e.g. a rerun without resume)
         trash = root / f".trash_{final.name}_{os.getpid()}"
@@ -288,6 +309,7 @@ def load_latest(
     if path is None:
         log.info("no complete checkpoint in %s; starting from scratch", root)
         return None
+    check_layout(path)
     state = _train_state(0, model, optimizer, scheduler, data)
     key = f"rank{_rank()}"
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

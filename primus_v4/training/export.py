@@ -32,7 +32,7 @@ from primus_v4.models.deepseek_v4.release_io import (
     tokenizer_files,
     write_release,
 )
-from primus_v4.training.checkpoint import find_latest, step_dir
+from primus_v4.training.checkpoint import check_layout, find_latest, step_dir
 
 log = get_logger(__name__)
 MODEL_PREFIX = "model."
@@ -88,7 +88,9 @@ def find_source(path: str | os.PathLike, step: int | None = None) -> ExportSourc
 
 
 def _stored_model_tensors(checkpoint: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Our tensor name -> (global shape, dtype) as the DCP metadata records them."""
+    """Our tensor name -> (global shape, dtype) as the DCP metadata records them (after the
+    checkpoint's model layout is checked to be this version's)."""
+    check_layout(checkpoint)
     meta = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     out = {}
     for key, m in meta.items():

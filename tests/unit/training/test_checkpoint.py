@@ -130,3 +130,27 @@ def test_killed_save_is_ignored(tmp_path: Path) -> None:
     train(state, 3, 6, CheckpointManager(tmp_path, interval=3))
     assert checkpoint.find_latest(tmp_path) == tmp_path / "step_00000006"
     assert not (tmp_path / ".tmp_step_00000006").exists()
+
+
+def test_a_checkpoint_of_another_model_layout_is_refused_by_name(tmp_path: Path) -> None:
+    """A checkpoint written before the released architecture (no `model_layout` in COMPLETE:
+    experts were [E, in, out] under the same names) is refused before anything is read."""
+    import json
+
+    import pytest
+
+    from primus_v4.errors import PrimusError
+
+    train(make_state(), 0, 3, CheckpointManager(tmp_path, interval=3))
+    complete = tmp_path / "step_00000003" / "COMPLETE"
+    info = json.loads(complete.read_text())
+    assert info["model_layout"] == checkpoint.MODEL_LAYOUT
+    del info["model_layout"]
+    complete.write_text(json.dumps(info))
+    state = make_state(seed=5)
+    before = [p.detach().clone() for p in state["model"].parameters()]
+    with pytest.raises(PrimusError, match=r"step_00000003 holds model layout 1; this primus_v4 "
+                       r"reads layout 2 .*cannot be resumed or exported"):  # fmt: skip
+        CheckpointManager(tmp_path, interval=3).load_latest(**state)
+    after = state["model"].parameters()
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
