@@ -90,7 +90,7 @@ def _changed_at_tiny_lr(tmp_path: Path, dtype: str) -> tuple[Trainer, int, int]:
     """(trainer, master weights changed, weights that ever had a nonzero gradient)."""
     run = tiny_run(tmp_path / dtype, f"model.dtype={dtype}", "data.seq_length=128",
                    "train.global_batch_size=1", "train.lr=1e-6", "train.min_lr=1e-7",
-                   "train.steps=5", "train.warmup_steps=1")  # fmt: skip
+                   "train.steps=20", "train.warmup_steps=1")  # fmt: skip
     trainer = Trainer(run, corpus=FakeCorpus(SHORT_PACKS, seq_length=128))
     opt = trainer.optimizer
     before = [s.master.clone() for s in opt.slots]
@@ -113,7 +113,7 @@ def _changed_at_tiny_lr(tmp_path: Path, dtype: str) -> tuple[Trainer, int, int]:
 def test_bf16_masters_learn_at_a_fine_tuning_lr(tmp_path: Path) -> None:
     trainer, changed, touched = _changed_at_tiny_lr(tmp_path, "bfloat16")
     _, changed32, touched32 = _changed_at_tiny_lr(tmp_path, "float32")
-    print(f"\nlr 1e-6, 5 steps: bf16 run: {changed:,} fp32 masters changed of {touched:,} with "
+    print(f"\nlr 1e-6, 20 steps: bf16 run: {changed:,} fp32 masters changed of {touched:,} with "
           f"a gradient; float32 run: {changed32:,} of {touched32:,}")  # fmt: skip
     # float32 leaves only weights whose Adam step stays below half an fp32 ulp (mHC mixer rows
     # with gradients ~1e-12); the masters must move as many (a bf16 AdamW moves ~2%).
