@@ -6,7 +6,9 @@ A precision defect (something kept in bf16 that a mixed-precision trainer keeps 
 as a module or gradient whose relative error is far above the ~4e-3 of one bf16 rounding while
 its inputs are not. Known large entries: MoE outputs (a near-tie top-k flips for a few tokens)
 and the HyperHead gradients (final_norm is scale-invariant, so their true gradient is a near-zero
-difference of large terms and any rounding of the streams dominates it).
+difference of large terms and any rounding of the streams dominates it). The discrete-choice table
+counts rows whose chosen set (router experts, indexer keys) differs from float32's: bf16 inputs
+flip near-ties whatever precision the scores are computed in.
 
     python benchmarks/bench_bf16_layers.py [--seq 256] [--warm 0]
 """
@@ -28,15 +30,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _probe(trainer: Trainer, rows) -> tuple[dict, dict, float]:
-    """Module outputs (every micro-batch), fp32 main gradients, and the step's loss."""
+def _probe(trainer: Trainer, rows) -> tuple[dict, dict, dict, float]:
+    """Module outputs (every micro-batch), discrete choices (router experts, indexer top-k),
+    fp32 main gradients, and the step's loss."""
     acts: dict[str, list[torch.Tensor]] = {}
+    picks: dict[str, list[torch.Tensor]] = {}
 
     def keep(name: str):
         def hook(_mod, _inp, out) -> None:
             o = out[0] if isinstance(out, tuple) else out
             if isinstance(o, torch.Tensor) and o.is_floating_point():
                 acts.setdefault(name, []).append(o.detach().float().clone())
+            elif isinstance(o, torch.Tensor) and o.dim() == 2:  # [rows, k] chosen ids
+                picks.setdefault(name, []).append(o.detach().sort(dim=1).values.clone())
 
         return hook
 
@@ -47,7 +53,7 @@ def _probe(trainer: Trainer, rows) -> tuple[dict, dict, float]:
         h.remove()
     grads = {n: trainer.optimizer.main_grad(p).detach().clone()
              for n, p in trainer.model.named_parameters() if p.requires_grad}  # fmt: skip
-    return acts, grads, step_loss.reported(group=None)["loss"]
+    return acts, picks, grads, step_loss.reported(group=None)["loss"]
 
 
 def main() -> None:
@@ -70,7 +76,8 @@ def main() -> None:
             for n, p in trainer.model.named_parameters():
                 p.copy_(weights[n])
         runs[dtype] = _probe(trainer, rows)
-    (acts_b, grads_b, loss_b), (acts_f, grads_f, loss_f) = runs["bfloat16"], runs["float32"]
+    (acts_b, picks_b, grads_b, loss_b) = runs["bfloat16"]
+    (acts_f, picks_f, grads_f, loss_f) = runs["float32"]
     print(f"loss after {args.warm} float32 steps, seq {args.seq}: bf16 {loss_b:.6f}, float32 "
           f"{loss_f:.6f} ({abs(loss_b - loss_f) / loss_f:.2e} relative)")  # fmt: skip
     print(f"{'module output':48s} {'rel err':>9}")
@@ -78,6 +85,12 @@ def main() -> None:
         if len(acts_b.get(n, [])) == len(outs):
             err = max(_rel(a, b) for a, b in zip(acts_b[n], outs, strict=True))
             print(f"{n:48s} {err:9.2e}")
+    print(f"\n{'discrete choice (rows whose set differs)':48s} {'rows':>9} {'differ':>9}")
+    for n, outs in picks_f.items():
+        pairs = list(zip(picks_b.get(n, []), outs, strict=False))
+        total = sum(b.shape[0] for _, b in pairs)
+        differ = sum(int((a != b).any(1).sum()) for a, b in pairs)
+        print(f"{n:48s} {total:9d} {differ:9d}")
     print(f"\n{'parameter gradient':48s} {'rel err':>9} {'cosine':>9} {'|g| f32':>10}")
     for n, g in grads_f.items():
         a, b = grads_b[n].double().flatten(), g.double().flatten()

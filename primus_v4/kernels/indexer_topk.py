@@ -56,12 +56,16 @@ def indexer_topk_torch(
     rows = max(1, min(ROWS_MAX, row_elems // (h * chunk)))
     for a in range(0, t, rows):
         lo, hi = lo_T[a : a + rows, None], hi_T[a : a + rows, None]
-        q_XD, w = q_THD[a : a + rows].flatten(0, 1), w_TH[a : a + rows, :, None] * scale
+        # Scores in float32 whatever the input dtype (as HF computes them): a bf16 product and
+        # head sum would round scores to 8 bits, and near-equal keys would then swap places in
+        # the top-k by rounding alone. Row chunks keep the float32 copies small.
+        q_XD = q_THD[a : a + rows].flatten(0, 1).float()
+        w = w_TH[a : a + rows, :, None].float() * scale
         run_CK = torch.full((w.shape[0], topk), torch.iinfo(torch.long).min, device=w.device)
         for c0 in range(int(lo.min()), int(hi.max()), chunk):
             c1 = min(c0 + chunk, int(hi.max()))
             cols_J = torch.arange(c0, c1, device=q_XD.device)
-            s_CHJ = (q_XD @ k_PD[c0:c1].T).view(w.shape[0], h, -1).relu_()
+            s_CHJ = (q_XD @ k_PD[c0:c1].float().T).view(w.shape[0], h, -1).relu_()
             s_CJ = (s_CHJ * w).sum(1)
             s_CJ = s_CJ.masked_fill((cols_J < lo) | (cols_J >= hi), float("-inf"))
             key_CJ = (_ordered_int(s_CJ) << 32) | (LOW - cols_J)

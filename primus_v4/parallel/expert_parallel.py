@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from primus_v4.errors import ConfigError
+from primus_v4.models.deepseek_v4.moe import combine_experts
 from primus_v4.parallel.groups import Axis
 
 
@@ -91,7 +92,7 @@ class AllToAllDispatcher:
         y_recv = y_MD.index_select(0, _inverse(regroup))
         y_back = all_to_all_rows(y_recv, send_splits, recv_splits, self.ep.group)
         y_RKD = y_back.index_select(0, _inverse(order_M)).view(r, k, y_MD.shape[-1])
-        return torch.einsum("rkd,rk->rd", y_RKD, weight_RK.to(y_RKD.dtype))
+        return combine_experts(y_RKD, weight_RK)
 
 
 def shard_moe(moe: nn.Module, ep: Axis) -> None:

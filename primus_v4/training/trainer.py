@@ -151,6 +151,7 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(
             run, self.model, self.runtime.ctx, self.total_steps
         )
+        self._seed_masters()
         self.router_bias = RouterBiasUpdate(
             [self.model],
             rate=self.cfg.model.router_bias_update_rate,
@@ -197,8 +198,11 @@ class Trainer:
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         """This rank's pipeline stage with its expert shards (one process: unchanged)."""
-        from primus_v4.parallel.parallelize import parallelize
+        from primus_v4.parallel.parallelize import is_meta, parallelize
 
+        weights = self._pretrained_weights()
+        # Random init: the weights are drawn from train.seed while materializing.
+        self._drawn = weights is None and is_meta(model)
         done = parallelize(
             model,
             self.runtime.ctx,
@@ -206,10 +210,20 @@ class Trainer:
             packed=self.cfg.packed,
             device=self.runtime.device,
             seed=self.cfg.train.seed,
-            weights=self._pretrained_weights(),
+            weights=weights,
         )
         self.pipeline: Any = done.pipeline
         return done.model
+
+    def _seed_masters(self) -> None:
+        """A random-init run in a low-precision dtype: the fp32 masters start from the float32
+        draws themselves, not from their bf16 rounding, so the masters begin where a float32 run
+        begins (a resumed checkpoint overwrites them later like every other state)."""
+        initial = getattr(self.model, "initial_values", None)
+        if not self._drawn or initial is None or self.cfg.model.dtype == "float32":
+            return
+        n = self.optimizer.seed_masters(initial(self.cfg.train.seed))
+        log.info("fp32 masters: %d values from the float32 init (not its bf16 rounding)", n)
 
     def _pretrained_weights(self) -> Any:
         """model.pretrained: a loader of this rank's slice, unless the run resumes its own

@@ -45,7 +45,7 @@ optimizer-side sharding.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,6 +269,30 @@ class ShardedAdamW(Optimizer):
                 for g in sub.param_groups:
                     for m in g["params"]:
                         sub.state[m] = self.state[m]
+
+    @torch.no_grad()
+    def seed_masters(self, pieces: Iterable[tuple[torch.Tensor, int, torch.Tensor]]) -> int:
+        """Masters of non-float32 parameters from float32 values given as (parameter, flat
+        offset, values) pieces, e.g. the random init's draws: a bf16 parameter holds only their
+        rounding, and masters started from it would follow a perturbed trajectory (FSDP2's
+        float32 sharded parameters keep the unrounded init the same way). Every parameter stays
+        its rounded master. Returns the master elements set on this rank."""
+        slots = {id(s.param): s for s in self.slots if not s.aliased}
+        done = 0
+        for param, offset, value in pieces:
+            s = slots.get(id(param))
+            lo, hi = (max(offset, s.lo), min(offset + value.numel(), s.hi)) if s else (0, 0)
+            if lo >= hi:
+                continue
+            src = value.reshape(-1)[lo - offset : hi - offset]
+            own = s.param.detach().view(-1)[lo:hi]
+            if not torch.equal(src.to(own.device, own.dtype), own):
+                raise ValueError(f"seed_masters: {s.name}[{lo}:{hi}] is not the rounding of the "
+                                 "given values (seed the masters from the draws the "
+                                 "parameters were initialized with)")  # fmt: skip
+            s.master[lo - s.lo : hi - s.lo].copy_(src)
+            done += hi - lo
+        return done
 
     @torch.no_grad()
     def refresh_host_copies(self) -> None:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from primus_v4.models.deepseek_v4.mixing import mix, weighted_sum
+
 
 def _sinkhorn(logits_TKK: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     comb = torch.softmax(logits_TKK.float(), dim=-1) + eps
@@ -86,7 +88,9 @@ class HyperMixer(nn.Module):
         return pre_TK, post_TK, comb_TKK
 
     def collapse(self, x_TKD: torch.Tensor, pre_TK: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("tk,tkd->td", pre_TK.to(x_TKD.dtype), x_TKD)
+        """sum_k pre_k x_k in float32, rounded once to the streams' dtype (as the release's
+        hc_pre): bf16 weights and a bf16 sum would each add a rounding to every sub-block input."""
+        return weighted_sum(pre_TK, x_TKD)
 
     def write_back(
         self,
@@ -97,9 +101,9 @@ class HyperMixer(nn.Module):
     ) -> torch.Tensor:
         """y_j = post_j * out + sum_i comb[i, j] * x_i: the release sums over comb's FIRST index
         (comb transposed); Sinkhorn's matrix is not symmetric, so the direction matters."""
-        dt = x_TKD.dtype
-        mixed = torch.einsum("tij,tid->tjd", comb_TKK.to(dt), x_TKD)
-        return mixed + post_TK.to(dt).unsqueeze(-1) * out_TD.unsqueeze(1)
+        # float32 mixing, rounded once to the streams' dtype (the release's hc_post): comb and
+        # post stay float32 (Sinkhorn's matrix rounded to bf16 is no longer doubly stochastic).
+        return mix(comb_TKK, x_TKD, p_TJ=post_TK, f_TD=out_TD)
 
 
 class HyperHead(nn.Module):
@@ -123,4 +127,4 @@ class HyperHead(nn.Module):
         logits_TK = F.linear(flat, self.proj.weight.float()) * _rms_scale(flat, self.norm_eps)
         logits_TK = logits_TK * self.scale.float()
         w_TK = torch.sigmoid(logits_TK + self.bias.float()) + self.eps
-        return torch.einsum("tk,tkd->td", w_TK.to(x_TKD.dtype), x_TKD)
+        return weighted_sum(w_TK, x_TKD)

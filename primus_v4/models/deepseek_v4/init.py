@@ -16,6 +16,7 @@ so it never touches loaded state.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -64,25 +65,40 @@ def _constant(module: nn.Module, attr: str) -> float | None:
     return None
 
 
+def drawn_values(
+    model: nn.Module, *, seed: int, std: float
+) -> Iterator[tuple[nn.Parameter, int, torch.Tensor]]:
+    """(parameter, flat offset, float32 values) of every drawn (non-constant) parameter of
+    `model`, one piece at a time: a whole parameter, or one expert of an [E, ...] expert weight.
+    Drawn lazily, so at most one piece exists at once. These are the exact float32 draws: a bf16
+    parameter holds their rounding, the optimizer's fp32 masters can start from them."""
+    for prefix, module in model.named_modules():
+        for attr, p in module.named_parameters(recurse=False):
+            if _constant(module, attr) is not None:
+                continue
+            name = f"{prefix}.{attr}" if prefix else attr
+            if isinstance(module, MoE) and attr in EXPERT_WEIGHTS:
+                # Drawn per global expert so a shard [lo, lo + L) is rows of the full tensor.
+                lo, per = getattr(module, "expert_offset", 0), p[0].numel()
+                for i in range(p.shape[0]):
+                    yield p, i * per, draw_normal(p.shape[1:], std, seed, f"{name}.{lo + i}")
+            else:
+                yield p, 0, draw_normal(p.shape, std, seed, name)
+
+
 @torch.no_grad()
 def init_parameters(model: nn.Module, *, seed: int, std: float) -> None:
     """Initialize every parameter and persistent router buffer of `model` (a whole model, a
     stage or a sharded one)."""
-    for prefix, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, Router):
             module.init_routing_buffers()
         for attr, p in module.named_parameters(recurse=False):
-            name = f"{prefix}.{attr}" if prefix else attr
             value = _constant(module, attr)
             if value is not None:
                 p.fill_(value)
-            elif isinstance(module, MoE) and attr in EXPERT_WEIGHTS:
-                # Drawn per global expert so a shard [lo, lo + L) is rows of the full tensor.
-                lo = getattr(module, "expert_offset", 0)
-                for i in range(p.shape[0]):
-                    p[i].copy_(draw_normal(p.shape[1:], std, seed, f"{name}.{lo + i}"))
-            else:
-                p.copy_(draw_normal(p.shape, std, seed, name))
+    for p, offset, value in drawn_values(model, seed=seed, std=std):
+        p.view(-1)[offset : offset + value.numel()].copy_(value.view(-1))
 
 
 @torch.no_grad()

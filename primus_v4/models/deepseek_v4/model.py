@@ -11,6 +11,7 @@ rank's contiguous rows, cu_seqlens stays global and `comm` moves rows between ra
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from primus_v4.models.deepseek_v4.block import Block, run_block
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.hyper_connection import HyperHead, lift_streams
-from primus_v4.models.deepseek_v4.init import init_buffers, init_parameters
+from primus_v4.models.deepseek_v4.init import drawn_values, init_buffers, init_parameters
 from primus_v4.models.deepseek_v4.layout import LocalComm, RowLayout, SeqComm
 from primus_v4.models.deepseek_v4.loss import chunked_linear_ce
 from primus_v4.models.deepseek_v4.moe import Dispatcher, RoutingInputs
@@ -141,6 +142,12 @@ class DeepseekV4Model(nn.Module):
         seed = torch.initial_seed() if seed is None else seed
         init_parameters(self, seed=seed, std=self.cfg.init_method_std)
         init_buffers(self)
+
+    def initial_values(self, seed: int) -> Iterator[tuple[nn.Parameter, int, torch.Tensor]]:
+        """The float32 draws `init_weights(seed)` rounds into non-float32 parameters, as
+        (parameter, flat offset, values) pieces (`init.drawn_values`): what fp32 master weights
+        of a random-init run start from."""
+        return drawn_values(self, seed=seed, std=self.cfg.init_method_std)
 
     def forward(
         self,

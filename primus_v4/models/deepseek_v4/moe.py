@@ -19,6 +19,7 @@ from primus_v4.kernels.grouped_experts import clamped_swiglu
 from primus_v4.kernels.registry import resolve
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.layout import RowLayout
+from primus_v4.models.deepseek_v4.mixing import EXACT, weighted_sum
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +79,8 @@ class Dispatcher(Protocol):
         ...
 
     def combine(self, y_MD: torch.Tensor, weight_RK: torch.Tensor, handle: Any) -> torch.Tensor:
-        """Inverse of dispatch, weighting each copy and summing its K experts: [R, D]."""
+        """Inverse of dispatch, weighting each copy and summing its K experts: [R, D] float32
+        (`combine_experts`; the MoE rounds once after adding the shared expert)."""
         ...
 
 
@@ -100,7 +102,15 @@ class LocalDispatcher:
         r, k = weight_RK.shape
         inverse_M = torch.argsort(order_M)
         y_RKD = y_MD.index_select(0, inverse_M).view(r, k, y_MD.shape[-1])
+        return combine_experts(y_RKD, weight_RK)
+
+
+def combine_experts(y_RKD: torch.Tensor, weight_RK: torch.Tensor) -> torch.Tensor:
+    """sum_k weight_k y_k, float32 [R, D] for bf16 expert outputs (the release accumulates them
+    in float32: routing weights rounded to bf16 would move each expert's share by up to 2^-9)."""
+    if y_RKD.dtype in EXACT:  # the expression float32 runs always used
         return torch.einsum("rkd,rk->rd", y_RKD, weight_RK.to(y_RKD.dtype))
+    return weighted_sum(weight_RK, y_RKD, out_dtype=torch.float32)
 
 
 def hash_table(vocab: int, num_experts: int, topk: int, seed: int) -> torch.Tensor:
@@ -315,9 +325,11 @@ class MoE(nn.Module):
         x_MD, counts, handle = self.dispatcher.dispatch(x_RD, expert_RK, self.num_experts)
         y_MD = self.grouped_experts(x_MD, counts, self.w_gate_up, self.w_down, limit=self.limit)
         y_RD = self.dispatcher.combine(y_MD, weight_RK, handle)
-        y_TD = x_TD.new_zeros(x_TD.shape).index_add(0, routing.routed_rows_R, y_RD.to(x_TD.dtype))
+        # Routed and shared outputs summed in float32 and rounded once (as the release's MoE).
+        y_TD = y_RD.new_zeros(x_TD.shape).index_add(0, routing.routed_rows_R, y_RD)
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            y_TD = y_TD + self.shared(x_TD).float()
+        y_TD = y_TD.to(x_TD.dtype)
         if self.hashed or not self.aux_coeff:
             # Hash routing is fixed: a balance loss could only push the gate, not the routing.
             aux = scores_RE.sum() * 0.0

@@ -2,8 +2,9 @@
 
 float32: the trainer steps exactly what it stepped before the optimizer owned the gradients
 (an oracle keeps that trainer: AdamW on the parameters, autograd `.grad` accumulation, the same
-clip), bit for bit, with and without host offload. bfloat16: at lr 1e-6 (a fine-tune's lr, whose
-updates are below half a bf16 ulp) the fp32 masters still learn and the bf16 weights are the
+clip), bit for bit, with and without host offload. bfloat16: the masters of a random-init run
+start from the float32 draws (the bf16 weights hold their rounding); at lr 1e-6 (a fine-tune's lr,
+whose updates are below half a bf16 ulp) the fp32 masters still learn and the bf16 weights are the
 rounded masters; at the default lr the bf16 loss tracks the float32 one.
 """
 
@@ -121,6 +122,20 @@ def test_bf16_masters_learn_at_a_fine_tuning_lr(tmp_path: Path) -> None:
     for s in trainer.optimizer.slots:
         assert s.master.dtype == torch.float32 and s.param.dtype == torch.bfloat16
         assert torch.equal(s.param.detach().view(-1), s.master.to(torch.bfloat16)), s.name
+
+
+def test_bf16_masters_start_from_the_float32_init_not_its_rounding(tmp_path: Path) -> None:
+    corpus = FakeCorpus(RAGGED_PACKS[:2])
+    bf16 = Trainer(tiny_run(tmp_path / "bf16", "model.dtype=bfloat16"), corpus=corpus)
+    fp32 = Trainer(tiny_run(tmp_path / "fp32", "model.dtype=float32"), corpus=corpus)
+    init = dict(fp32.model.named_parameters())
+    unrounded = 0
+    for s in bf16.optimizer.slots:
+        want = init[s.name].detach().view(-1)[s.lo : s.hi]
+        assert torch.equal(s.master, want), s.name  # the float32 run's exact initial values
+        assert torch.equal(s.param.detach().view(-1), s.master.to(torch.bfloat16)), s.name
+        unrounded += int((s.master != s.master.to(torch.bfloat16).float()).sum())
+    assert unrounded > 0.9 * sum(s.size for s in bf16.optimizer.slots)  # the draws, not 1s and 0s
 
 
 def test_bf16_loss_tracks_float32_at_the_default_lr(tmp_path: Path) -> None:
