@@ -23,7 +23,7 @@ from torch import nn
 
 from primus_v4.log import get_logger
 from primus_v4.models.deepseek_v4 import release
-from primus_v4.models.deepseek_v4.release_io import ReleaseReader
+from primus_v4.models.deepseek_v4.release_io import ReleaseReader, load_workers
 
 log = get_logger(__name__)
 
@@ -70,14 +70,8 @@ def load_rank_weights(
         wanted = release.needed(cfg, list(targets), expert_range=experts)
         bar = tqdm(total=len(wanted), desc="loading", unit="tensor", disable=not progress)
 
-        with bar:
-            release.fill_state(
-                cfg,
-                targets,
-                expert_range=experts,
-                progress=bar.update,
-                read_into=lambda name, out, shape: reader.read_into(name, out, shape=shape),
-            )
+        with bar, reader.concurrent(load_workers(), progress=bar.update) as read_into:
+            release.fill_state(cfg, targets, expert_range=experts, read_into=read_into)
         done = RankLoad(
             tensors=len(wanted), bytes_read=reader.bytes_read, checkpoint_bytes=reader.total_bytes()
         )

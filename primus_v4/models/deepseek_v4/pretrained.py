@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from primus_v4.models.deepseek_v4 import release
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
-from primus_v4.models.deepseek_v4.release_io import ReleaseReader, write_release
+from primus_v4.models.deepseek_v4.release_io import ReleaseReader, load_workers, write_release
 
 
 def read_config(path: str | os.PathLike, **overrides) -> DeepseekV4Config:
@@ -87,12 +87,8 @@ def load_release(
         total = len(release.needed(cfg, targets))
         bar = tqdm(total=total, desc="loading", unit="tensor", disable=not progress)
 
-        release.fill_state(
-            cfg,
-            targets,
-            progress=bar.update,
-            read_into=lambda name, out, shape: reader.read_into(name, out, shape=shape),
-        )
+        with reader.concurrent(load_workers(), progress=bar.update) as read_into:
+            release.fill_state(cfg, targets, read_into=read_into)
         bar.close()
     return model
 

@@ -10,10 +10,11 @@ and counts the stored bytes it touched. `write_release` writes a directory the s
 
 from __future__ import annotations
 
-import io
+import contextlib
 import json
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +97,12 @@ def _weight_map(directory: Path) -> dict[str, str]:
     )
 
 
+def load_workers() -> int:
+    """Reader threads for a load: torch's thread budget (what OMP_NUM_THREADS / set_num_threads
+    give this process), at most 4 (a load is bound by memory bandwidth past a few)."""
+    return max(1, min(4, torch.get_num_threads()))
+
+
 class ReleaseReader:
     """Reads of a release directory, one tensor at a time, straight into their destination.
 
@@ -124,7 +131,9 @@ class ReleaseReader:
                     f"{self.directory / shard}: the index maps '{name}' to this shard but it "
                     "does not hold it; the index and the shards are from different checkpoints"
                 )
-        self._files: dict[str, io.FileIO] = {}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()  # open files and the byte count; reads need none
+        self._local = threading.local()  # per-thread decode scratch
         self._scale_of: dict[str, str] = {}
         for name in self._shard_of:
             for suffix in SCALE_SUFFIXES:
@@ -134,8 +143,6 @@ class ReleaseReader:
                         self._scale_of[weight] = name
         scales = set(self._scale_of.values())
         self._names = sorted(n for n in self._shard_of if n not in scales)
-        self._scratch = torch.empty(0, dtype=torch.uint8)
-        self._index = torch.empty(0, dtype=torch.int32)
         self.bytes_read = 0
 
     def __enter__(self) -> ReleaseReader:
@@ -145,9 +152,10 @@ class ReleaseReader:
         self.close()
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def _stored(self, name: str) -> StoredTensor:
         if name not in self._shard_of:
@@ -202,17 +210,24 @@ class ReleaseReader:
                 "the config does not match this checkpoint"
             )
 
+    def _fd(self, shard: str) -> int:
+        """The shard's file descriptor, opened once and kept until `close`."""
+        with self._lock:
+            if shard not in self._fds:
+                self._fds[shard] = os.open(self.directory / shard, os.O_RDONLY)
+            return self._fds[shard]
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+
     def _pread(self, stored: StoredTensor, into: torch.Tensor, start: int = 0) -> None:
-        """Fill the contiguous CPU tensor `into` with the stored bytes from `start` on."""
-        f = self._files.get(stored.shard)
-        if f is None:
-            # kept open across reads (closed by close()); one handle per shard
-            f = open(self.directory / stored.shard, "rb", buffering=0)  # noqa: SIM115
-            self._files[stored.shard] = f
+        """Fill the contiguous CPU tensor `into` with the stored bytes from `start` on (positioned
+        reads: no shared file position, so threads may read at once)."""
+        fd = self._fd(stored.shard)
         view, done = writable_bytes(into), 0
-        f.seek(stored.offset + start)
         while done < len(view):
-            n = f.readinto(view[done:])
+            n = os.preadv(fd, [view[done:]], stored.offset + start + done)
             if not n:
                 raise ReleaseFormatError(
                     f"{self.directory / stored.shard}: ended inside a tensor at byte "
@@ -225,14 +240,16 @@ class ReleaseReader:
         stored = self._stored(name)
         out = torch.empty(stored.shape, dtype=stored.dtype)
         self._pread(stored, out)
-        self.bytes_read += stored.nbytes
+        self._count(stored.nbytes)
         return out
 
-    def _scratch_bytes(self, n: int) -> torch.Tensor:
-        if self._scratch.numel() < n:
-            self._scratch = torch.empty(n, dtype=torch.uint8)
-            self._index = torch.empty(n, dtype=torch.int32)
-        return self._scratch[:n]
+    def _scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This thread's (bytes, int32 index) scratch, at least `n` elements each."""
+        local = self._local
+        if getattr(local, "bytes", None) is None or local.bytes.numel() < n:
+            local.bytes = torch.empty(n, dtype=torch.uint8)
+            local.index = torch.empty(n, dtype=torch.int32)
+        return local.bytes[:n], local.index
 
     def read(
         self, name: str, dtype: torch.dtype | None = None, *, shape: Sequence[int] | None = None
@@ -263,14 +280,14 @@ class ReleaseReader:
         elif direct and kind not in ("fp8", "fp4") and out.dtype == self.dtype(name):
             stored = self._stored(name)
             self._pread(stored, out)
-            self.bytes_read += stored.nbytes
+            self._count(stored.nbytes)
         else:
             out.copy_(self.read(name, out.dtype))
 
     def _decode_into(self, name: str, kind: str, out: torch.Tensor) -> None:
         """Dequantize `name` into the contiguous CPU tensor `out`, a row chunk at a time."""
         weight, scale = self._stored(name), self._raw(self._scale_of[name])
-        self.bytes_read += weight.nbytes
+        self._count(weight.nbytes)
         n, k = out.shape
         if kind == "fp8" and k % FP8_BLOCK:  # partial column blocks: decode whole
             out.copy_(dequantize_fp8(self._raw_counted(weight), scale, out.dtype))
@@ -280,21 +297,57 @@ class ReleaseReader:
         rows = max(block, self.CHUNK // k // block * block)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            raw = self._scratch_bytes((r1 - r0) * row_bytes)
+            raw, index = self._scratch((r1 - r0) * row_bytes)
             self._pread(weight, raw, r0 * row_bytes)
             dst = out[r0:r1]
             if kind == "fp8":
                 rb = r0 // FP8_BLOCK
                 s = scale[rb : rb + -(-(r1 - r0) // FP8_BLOCK)]
-                dequantize_fp8_into(raw.view(r1 - r0, k), s, dst, self._index)
+                dequantize_fp8_into(raw.view(r1 - r0, k), s, dst, index)
             else:
-                dequantize_fp4_into(raw.view(r1 - r0, k // 2), scale[r0:r1], dst, self._index)
+                dequantize_fp4_into(raw.view(r1 - r0, k // 2), scale[r0:r1], dst, index)
 
     def _raw_counted(self, stored: StoredTensor) -> torch.Tensor:
         """The stored bytes of an already counted tensor, as its stored dtype."""
         out = torch.empty(stored.shape, dtype=stored.dtype)
         self._pread(stored, out)
         return out
+
+    @contextlib.contextmanager
+    def concurrent(
+        self, workers: int, progress: Callable[[int], None] | None = None
+    ) -> Iterator[Callable[[str, torch.Tensor, Sequence[int]], None]]:
+        """A `read_into(name, out, shape)` callback that queues each read on `workers` threads
+        and returns at once; leaving the block waits for all of them and raises the first error.
+        Each thread has its own scratch and positioned reads share no file state. Decoding is a
+        byte gather that torch runs on one thread whatever its pool, so threads are what make a
+        load use the cores; torch ops run single-threaded meanwhile, as nested intra-op teams
+        would oversubscribe the cores (and stall whenever one thread is descheduled).
+        `progress(1)` is called per finished tensor."""
+
+        def read(name: str, out: torch.Tensor, shape: Sequence[int]) -> None:
+            with torch.no_grad():  # grad mode is per thread
+                self.read_into(name, out, shape=shape)
+            if progress is not None:
+                progress(1)
+
+        if workers <= 1:
+            yield read
+            return
+        threads, futures = torch.get_num_threads(), []
+        torch.set_num_threads(1)
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix="release-read") as pool:
+                yield lambda name, out, shape: futures.append(pool.submit(read, name, out, shape))
+                try:
+                    for future in futures:
+                        future.result()
+                except BaseException:
+                    for future in futures:
+                        future.cancel()
+                    raise
+        finally:
+            torch.set_num_threads(threads)
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`read` without the shape check (the name release.py's `build_state` callers use)."""

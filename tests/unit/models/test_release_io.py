@@ -251,3 +251,28 @@ def test_streamed_shards_are_safetensors_files(tmp_path: Path) -> None:
         torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.bfloat16, torch.float32,
         torch.int64,
     }  # fmt: skip
+
+
+def test_concurrent_reads_equal_sequential_ones_and_raise_the_first_error(tmp_path: Path) -> None:
+    out = tmp_path / "ck"
+    tensors = _tensors(5)
+    write_release(out, tensors.items(), KINDS, {}, dtype="fp8", max_shard_bytes=60_000)
+    threads = torch.get_num_threads()
+    with ReleaseReader(out) as one, ReleaseReader(out) as many:
+        want = {n: one.read(n, torch.float32 if KINDS[n] != "int64" else None) for n in tensors}
+        got = {n: torch.empty_like(t) for n, t in want.items()}
+        done: list[int] = []
+        with many.concurrent(3, progress=done.append) as read_into:
+            for name, dst in got.items():
+                read_into(name, dst, dst.shape)
+        assert torch.get_num_threads() == threads  # restored after the block
+        assert all(torch.equal(got[n], want[n]) for n in tensors) and len(done) == len(tensors)
+        assert many.bytes_read == one.bytes_read == one.total_bytes()
+        with (
+            pytest.raises(ReleaseFormatError, match=r"'layers.0.attn_norm.weight' has shape"),
+            many.concurrent(3) as read_into,
+        ):
+            for name, dst in got.items():
+                shape = (1,) if name == "layers.0.attn_norm.weight" else dst.shape
+                read_into(name, dst, shape)
+        assert torch.get_num_threads() == threads
