@@ -10,6 +10,7 @@ and counts the stored bytes it touched. `write_release` writes a directory the s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -468,24 +469,30 @@ def write_release(
 def _encoded(
     tensors: Iterable[tuple[str, torch.Tensor]], storage: Callable[[str], str], dtype: ExportDtype
 ) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
-    """(logical name, stored tensors) per source tensor, the next one pulled and encoded on a
-    worker thread while the caller writes this one (torch ops and file writes release the
-    GIL): quantizing overlaps the disk instead of adding to it. At most two encoded tensors
-    are alive."""
-    source = iter(tensors)
+    """(logical name, stored tensors) per source tensor, in order, encoded ahead on worker
+    threads (`load_workers()` of them; torch ops and file writes release the GIL) while the
+    caller writes: quantizing overlaps the disk and uses the cores (its byte gathers are serial
+    in torch, so torch ops run single-threaded meanwhile, see `ReleaseReader.concurrent`). At
+    most workers + 1 encoded tensors are alive."""
+    workers = load_workers()
+    threads = torch.get_num_threads()
+    if workers > 1:
+        torch.set_num_threads(1)
 
-    def pull() -> tuple[str, list[tuple[str, torch.Tensor]]] | None:
-        item = next(source, None)
-        if item is None:
-            return None
-        name, tensor = item
+    def encode(name: str, tensor: torch.Tensor) -> tuple[str, list[tuple[str, torch.Tensor]]]:
         return name, _encode(name, tensor, storage(name), dtype)
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-encode") as pool:
-        ahead = pool.submit(pull)
-        while (item := ahead.result()) is not None:
-            ahead = pool.submit(pull)
-            yield item
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="export-encode") as pool:
+            ahead: collections.deque = collections.deque()
+            for name, tensor in tensors:
+                ahead.append(pool.submit(encode, name, tensor))
+                if len(ahead) > workers:
+                    yield ahead.popleft().result()
+            while ahead:
+                yield ahead.popleft().result()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _header_room(max_shard_bytes: int) -> int:
