@@ -350,10 +350,6 @@ class ReleaseReader:
         finally:
             torch.set_num_threads(threads)
 
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """`read` without the shape check (the name release.py's `build_state` callers use)."""
-        return self.read(name, dtype)
-
 
 @dataclass(kw_only=True, frozen=True)
 class WriteSummary:
