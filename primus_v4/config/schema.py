@@ -210,9 +210,9 @@ class TrainConfig:
     """Rows per optimizer step over all data-parallel ranks (thd: packs; bshd: samples)."""
     micro_batch_size: int = 1
     """Rows per forward; 1 for thd (a pack already holds many samples)."""
-    lr: float = 1e-2
+    lr: float = 5e-3
     """Peak learning rate (after warmup)."""
-    min_lr: float = 1e-3
+    min_lr: float = 5e-4
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 3
     """Linear warmup steps from 0 to lr."""

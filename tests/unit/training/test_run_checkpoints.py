@@ -161,12 +161,12 @@ def test_changed_schedule_is_the_new_one_from_the_resumed_step(full: Path, tmp_p
     _stopped_after_4(full, tmp_path)
     shutil.rmtree(step_dir(tmp_path / "ckpt", 2))
     with captured_logs() as logs:
-        result = _run(tmp_path, "train.steps=8", "train.lr=5e-3", "train.min_lr=1e-4")
-    assert any("changed schedule" in m and "train.lr: 0.01 -> 0.005" in m for m in logs)
-    factor = warmup_cosine(lr=5e-3, min_lr=1e-4, warmup_steps=1, total_steps=8)
+        result = _run(tmp_path, "train.steps=8", "train.lr=2e-3", "train.min_lr=1e-4")
+    assert any("changed schedule" in m and "train.lr: 0.005 -> 0.002" in m for m in logs)
+    factor = warmup_cosine(lr=2e-3, min_lr=1e-4, warmup_steps=1, total_steps=8)
     assert [r.step for r in result.rows] == [5, 6, 7, 8]
     for row in result.rows:  # the lr a step uses is the schedule at the steps done before it
-        assert math.isclose(row.lr, 5e-3 * factor(row.step - 1), rel_tol=1e-15), row.step
+        assert math.isclose(row.lr, 2e-3 * factor(row.step - 1), rel_tol=1e-15), row.step
 
 
 def test_resume_with_other_model_parallel_sizes_is_an_error(full: Path, tmp_path: Path) -> None:
