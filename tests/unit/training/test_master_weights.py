@@ -87,11 +87,12 @@ def test_float32_tiny_model_is_bit_identical_to_the_legacy_trainer(tmp_path: Pat
 SHORT_PACKS = [[60, 40, 28], [100, 20], [33, 90], [128], [70, 50], [64, 64]]  # seq 128 rows
 
 
-def _changed_at_tiny_lr(tmp_path: Path, dtype: str) -> tuple[Trainer, int, int]:
+def _changed_at_tiny_lr(tmp_path: Path, dtype: str, *settings: str) -> tuple[Trainer, int, int]:
     """(trainer, master weights changed, weights that ever had a nonzero gradient)."""
-    run = tiny_run(tmp_path / dtype, f"model.dtype={dtype}", "data.seq_length=128",
-                   "train.global_batch_size=1", "train.lr=1e-6", "train.min_lr=1e-7",
-                   "train.steps=20", "train.warmup_steps=1")  # fmt: skip
+    run = tiny_run(tmp_path / f"{dtype}{len(settings)}", f"model.dtype={dtype}",
+                   "data.seq_length=128", "train.global_batch_size=1", "train.lr=1e-6",
+                   "train.min_lr=1e-7", "train.steps=20", "train.warmup_steps=1",
+                   *settings)  # fmt: skip
     trainer = Trainer(run, corpus=FakeCorpus(SHORT_PACKS, seq_length=128))
     opt = trainer.optimizer
     before = [s.master.clone() for s in opt.slots]
@@ -121,6 +122,18 @@ def test_bf16_masters_learn_at_a_fine_tuning_lr(tmp_path: Path) -> None:
     assert changed >= 0.99 * changed32 and changed32 >= 0.9 * touched32
     for s in trainer.optimizer.slots:
         assert s.master.dtype == torch.float32 and s.param.dtype == torch.bfloat16
+        assert torch.equal(s.param.detach().view(-1), s.master.to(torch.bfloat16)), s.name
+
+
+def test_bf16_masters_take_a_weight_decay_far_below_half_a_bf16_ulp(tmp_path: Path) -> None:
+    # decoupled decay at lr 1e-6 scales a weight by 1 - 1e-7 per step: ~1 fp32 ulp, 1/20000 of
+    # half a bf16 ulp, on every decayed weight (also embedding rows no gradient reaches)
+    trainer, changed, _ = _changed_at_tiny_lr(tmp_path, "bfloat16", "train.weight_decay=0.1")
+    slots = trainer.optimizer.slots
+    total = sum(s.size for s in slots)
+    print(f"\nlr 1e-6, weight decay 0.1, 20 steps: {changed:,} of {total:,} masters changed")
+    assert changed >= 0.99 * total
+    for s in slots:
         assert torch.equal(s.param.detach().view(-1), s.master.to(torch.bfloat16)), s.name
 
 
