@@ -16,7 +16,10 @@ Quantization snaps scales up to powers of two (ue8m0) like the release, so
 from __future__ import annotations
 
 import functools
+import math
 import sys
+import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -221,26 +224,27 @@ def _fp4_pair_words(work: torch.dtype) -> torch.Tensor | None:
 def _pow2_exponent(amax: torch.Tensor, limit: float) -> torch.Tensor:
     """Smallest e with amax / 2^e <= limit (ue8m0 rounds scales up), clamped to e8m0's range.
     A block holding NaN or inf has no scale: it raises (a weight like that would be stored
-    clamped or as garbage, silently)."""
+    clamped or as garbage, silently).
+
+    Read off the bits of the float32 quotient q = amax / limit (frexp and ldexp cost more than
+    the rest of a quantization): a normal q = 2^E x 1.f needs E, plus 1 unless f is 0; a
+    subnormal q needs -126 above 2^-127 (mantissa field > 2^22) and -127 (the clamp) below."""
     if not bool(torch.isfinite(amax).all()):
-        bad = int((~torch.isfinite(amax)).sum())
-        raise ValueError(f"{bad} quantization block(s) hold NaN or inf values")
-    mantissa, exponent = torch.frexp(amax / limit)  # amax/limit = m * 2^e, m in [0.5, 1)
-    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # exact powers of two stay
-    return exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
+        raise ValueError(f"{_count_nonfinite(amax)} quantization block(s) hold NaN or inf values")
+    bits = (amax.to(torch.float32) / limit).view(torch.int32)
+    biased = bits >> 23
+    normal = biased - 127 + (bits & 0x7FFFFF).ne(0).to(torch.int32)
+    subnormal = torch.where(bits > 1 << 22, -126, -127).to(torch.int32)
+    return torch.where(biased == 0, subnormal, normal).clamp_(-E8M0_BIAS, E8M0_BIAS)
+
+
+def _count_nonfinite(amax: torch.Tensor) -> int:
+    return int((~torch.isfinite(amax)).sum())
 
 
 def _bf16_fast(weight: torch.Tensor) -> bool:
-    """bf16 on CPU quantizes by table lookup (`_bf16_codes`); other inputs by arithmetic."""
+    """bf16 on CPU quantizes by table lookup (`_quantize_bf16`); other inputs by arithmetic."""
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.ndim == 2
-
-
-def _block_scale(amax: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e8m0 exponents, 2^-e in bf16) of block maxima, as the float32 path computes them."""
-    exponent = _pow2_exponent(amax.float().clamp_min(torch.finfo(torch.float32).tiny), limit)
-    return exponent, torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), -exponent).to(
-        torch.bfloat16
-    )
 
 
 @functools.cache
@@ -253,62 +257,134 @@ def _bf16_code_table(fmt: str) -> torch.Tensor:
     return _fp4_codes(x.clamp(-FP4_MAX, FP4_MAX))
 
 
-def _bf16_codes(scaled: torch.Tensor, fmt: str) -> torch.Tensor:
-    """bf16 values already divided by their block scale -> uint8 codes, by one gather per value.
-
-    bf16 x 2^-e is exact (the division the float32 path does, in bf16's own exponent range;
-    below it values are far under the smallest code, 0 either way), and every bf16 pattern's
-    code is precomputed: 3 passes over the data instead of the float32 path's ~15 (abs, seven
-    compares and adds, sign, pack)."""
-    index = torch.empty(scaled.numel(), dtype=torch.int32)
-    index.copy_(scaled.contiguous().view(torch.uint16).view(-1))  # a copy_ widens fastest
-    return _bf16_code_table(fmt).index_select(0, index).view(scaled.shape)
+QUANT_CHUNK = 1 << 19  # elements per step of the bf16 quantizers (scratch: 2 x 2 MiB, in cache)
+_SCRATCH = threading.local()
 
 
-QUANT_CHUNK = 1 << 20  # elements per step of the bf16 quantizers: temporaries stay in cache
+@dataclass(frozen=True, kw_only=True)
+class _Bf16Format:
+    """What `_quantize_bf16` needs of a format. `limit` = (1 + L/128) x 2^P is a bf16 value, so
+    for a bf16 block maximum with pattern p (sign cleared: exponent field E, mantissa m) the
+    smallest e with max <= limit x 2^e is E - 127 - P, plus 1 when m > L: that is
+    ((p + 127 - L) >> 7) - (127 + P), a carry doing the comparison."""
+
+    block_rows: int
+    block_cols: int
+    limit: float
+    lowest: int  # the lowest e the bit shift handles (zeros and subnormals stay code 0)
+
+    @functools.cached_property
+    def carry(self) -> int:
+        return 127 - (int(torch.tensor(self.limit, dtype=torch.bfloat16).view(torch.int16)) & 0x7F)
+
+    @functools.cached_property
+    def bias(self) -> int:
+        return 127 + math.floor(math.log2(self.limit))
+
+    @functools.cached_property
+    def pattern_range(self) -> tuple[int, int]:
+        """(smallest, largest) maximum pattern whose exponent is in [lowest, 0]."""
+        e = ((torch.arange(0x7F80) + self.carry) >> 7) - self.bias
+        ok = torch.nonzero((e >= self.lowest) & (e <= 0)).view(-1)
+        return int(ok[0]), int(ok[-1])
 
 
-def _quantize_fp8_bf16(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_fp8` of a contiguous bf16 `[N, K]` (N, K multiples of 128), by 128-row
-    chunks. Block maxima are taken in float32 (bf16 reductions are several times slower)."""
+_BF16_FORMATS = {
+    "fp8": _Bf16Format(block_rows=FP8_BLOCK, block_cols=FP8_BLOCK, limit=FP8_MAX, lowest=-116),
+    "fp4": _Bf16Format(block_rows=1, block_cols=FP4_BLOCK, limit=FP4_MAX, lowest=-124),
+}
+
+
+def _scratch(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This thread's buffers of >= n elements (int32 index, int32 magnitude, uint8 codes, int16
+    pairs), kept between calls: fresh pages for every chunk would cost a fault each."""
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None or bufs[0].numel() < n:
+        size = max(n, QUANT_CHUNK)
+        bufs = (
+            torch.empty(size, dtype=torch.int32),
+            torch.empty(size, dtype=torch.int32),
+            torch.empty(size, dtype=torch.uint8),
+            torch.empty(size // 2 + 1, dtype=torch.int16),
+        )
+        _SCRATCH.bufs = bufs
+    return bufs
+
+
+def _quantize_bf16(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8` / `quantize_fp4` of a contiguous bf16 `[N, K]` (FP8: N, K multiples of
+    128), by row chunks, in integer operations on the bf16 bit patterns, bit-equal to the
+    float32 path (tested over every bf16 pattern):
+    - block maxima: the patterns without their sign bit order like the magnitudes, so an int32
+      max over them is the block's largest |x|, and its exponent follows by a carry
+      (`_Bf16Format`);
+    - x / 2^e, for e in [lowest, 0]: the pattern plus -e << 7 (the exponent field moves,
+      nothing rounds). Zeros and subnormals then land far below the smallest code's half (the
+      lowest exponent sees to it), so they keep code 0 with their sign, as the division gives
+      them, and an all-zero block takes the lowest shift. A chunk with another block outside
+      that range (a scale above 1 or below 2^lowest) divides in bf16 (exact: a power of two);
+    - the code: one gather from the table of every bf16 pattern's code (`_bf16_code_table`),
+      then FP4 packs two codes per byte."""
     n, k = w.shape
-    q = torch.empty(n, k, dtype=torch.uint8)
-    exponent = torch.empty(n // FP8_BLOCK, k // FP8_BLOCK, dtype=torch.int32)
-    step = max(1, QUANT_CHUNK // (k * FP8_BLOCK)) * FP8_BLOCK
+    f = _BF16_FORMATS[fmt]
+    br, bc = f.block_rows, f.block_cols
+    lo_pattern, hi_pattern = f.pattern_range
+    table = _bf16_code_table(fmt)
+    exponent = torch.empty(n // br, k // bc, dtype=torch.int32)
+    out = torch.empty(n, k if fmt == "fp8" else k // 2, dtype=torch.uint8)
+    step = max(1, QUANT_CHUNK // (k * br)) * br
+    idx_buf, mag_buf, code_buf, pair_buf = _scratch(step * k)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        blocks = w[r0:r1].view(-1, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
-        e, inverse = _block_scale(blocks.float().abs_().amax(dim=(1, 3)), FP8_MAX)
-        exponent[r0 // FP8_BLOCK : r1 // FP8_BLOCK] = e
-        q[r0:r1] = _bf16_codes(blocks * inverse[:, None, :, None], "fp8").view(r1 - r0, k)
-    return q.view(torch.float8_e4m3fn), float_to_e8m0(exponent)
-
-
-def _quantize_fp4_bf16(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_fp4` of a contiguous bf16 `[N, K]`, by row chunks."""
-    n, k = w.shape
-    packed = torch.empty(n, k // 2, dtype=torch.uint8)
-    exponent = torch.empty(n, k // FP4_BLOCK, dtype=torch.int32)
-    step = max(1, QUANT_CHUNK // k)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        blocks = w[r0:r1].view(r1 - r0, k // FP4_BLOCK, FP4_BLOCK)
-        e, inverse = _block_scale(blocks.float().abs_().amax(dim=2), FP4_MAX)
-        exponent[r0:r1] = e
-        codes = _bf16_codes(blocks * inverse[:, :, None], "fp4").view(r1 - r0, k)
+        rows, c = r1 - r0, (r1 - r0) * k
+        shape = (rows // br, br, k // bc, bc)  # blocks of a chunk; FP4: br = 1
+        idx = idx_buf[:c]
+        idx.copy_(w[r0:r1].view(torch.uint16).view(-1))  # a copy_ widens fastest
+        mag = torch.bitwise_and(idx, 0x7FFF, out=mag_buf[:c]).view(shape)
+        top = mag.amax(dim=(1, 3))  # the largest magnitude pattern per block
+        low, high = (int(v) for v in torch.aminmax(top))
+        if high >= 0x7F80:  # exponent field all ones: inf or NaN
+            raise ValueError(
+                f"{_count_bad_blocks(w, br, bc)} quantization block(s) hold NaN or inf values"
+            )
+        if low == 0 and high:  # all-zero blocks take any shift: the others decide
+            low = int(torch.where(top == 0, high, top).min())
+        shift = lo_pattern <= low and high <= hi_pattern
+        e = top.add_(f.carry).bitwise_right_shift_(7).sub_(f.bias).clamp_(-E8M0_BIAS, E8M0_BIAS)
+        exponent[r0 // br : r1 // br] = e
+        if shift:
+            down = e.neg_().clamp_(max=-f.lowest).bitwise_left_shift_(7)
+            idx.view(shape).add_(down[:, None, :, None])
+        else:
+            inverse = torch.ldexp(torch.ones_like(e, dtype=torch.float32), -e).to(torch.bfloat16)
+            scaled = w[r0:r1].view(shape) * inverse[:, None, :, None]
+            idx.copy_(scaled.view(torch.uint16).view(-1))
+        if fmt == "fp8":
+            torch.index_select(table, 0, idx, out=out[r0:r1].view(-1))
+            continue
+        codes = torch.index_select(table, 0, idx, out=code_buf[:c])
         if sys.byteorder == "little":  # a pair of codes is one int16, the even one low
             pair = codes.view(torch.int16)
-            packed[r0:r1] = pair.bitwise_or(pair >> 4)  # the cast keeps the low byte
+            packed = torch.bitwise_right_shift(pair, 4, out=pair_buf[: c // 2]).bitwise_or_(pair)
+            out[r0:r1].view(-1).copy_(packed)  # the cast keeps the low byte
         else:
-            packed[r0:r1] = torch.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4)
-    return packed.view(torch.int8), float_to_e8m0(exponent)
+            codes = codes.view(rows, k)
+            out[r0:r1] = torch.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4)
+    q = out.view(torch.float8_e4m3fn) if fmt == "fp8" else out.view(torch.int8)
+    return q, float_to_e8m0(exponent)
+
+
+def _count_bad_blocks(w: torch.Tensor, br: int, bc: int) -> int:
+    n, k = w.shape
+    finite = torch.isfinite(w).view(n // br, br, k // bc, bc).all(dim=3).all(dim=1)
+    return int((~finite).sum())
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`[N, K]` -> (float8_e4m3fn `[N, K]`, e8m0 `[ceil(N/128), ceil(K/128)]`)."""
     n, k = weight.shape
     if _bf16_fast(weight) and n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0:
-        return _quantize_fp8_bf16(weight.detach().contiguous())
+        return _quantize_bf16(weight.detach().contiguous(), "fp8")
     w = weight.detach().to(torch.float32, memory_format=torch.contiguous_format).contiguous()
     w, n, k = _block_view(w, FP8_BLOCK, FP8_BLOCK)
     amax = w.abs().amax(dim=(1, 3)).clamp_min(torch.finfo(torch.float32).tiny)
@@ -353,7 +429,7 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             f"FP4 needs the input dimension to be a multiple of {FP4_BLOCK}, got [{n}, {k}]"
         )
     if _bf16_fast(weight):
-        return _quantize_fp4_bf16(weight.detach().contiguous())
+        return _quantize_bf16(weight.detach().contiguous(), "fp4")
     w = weight.detach().to(torch.float32, memory_format=torch.contiguous_format).contiguous()
     w = w.view(n, k // FP4_BLOCK, FP4_BLOCK)
     amax = w.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny)

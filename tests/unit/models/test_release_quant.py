@@ -221,3 +221,50 @@ def test_block_scales_are_the_smallest_power_of_two_at_the_edges_of_e8m0() -> No
             q = float(torch.tensor(a, dtype=torch.float32) / limit)
             want = math.frexp(q)[1] - (math.frexp(q)[0] == 0.5)
             assert e == max(-127, min(127, want)), (a, limit, e, want)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_bf16_quantizers_shift_exponents_like_the_float32_division(fmt, monkeypatch) -> None:
+    """The bf16 fast path divides by 2^e by moving exponent fields. Small chunks: most hold
+    only blocks whose scale is in the shifted range (every exponent from the lowest to 0, and
+    both edges), with zeros, negative zeros and subnormals under every maximum, and all-zero
+    blocks among them; the last chunks hold a scale above 1 or below the range. Codes and
+    scales equal the float32 path's everywhere."""
+    from primus_v4.models.deepseek_v4 import release_quant as rq
+
+    f = rq._BF16_FORMATS[fmt]
+    br, bc = f.block_rows, f.block_cols
+    k, block_rows = 4 * bc, 8 * br  # one chunk: 8 block rows of 4 blocks
+    monkeypatch.setattr(rq, "QUANT_CHUNK", block_rows * k)
+    g = torch.Generator().manual_seed(3)
+    exps = list(range(f.lowest, 1))
+    chunks = -(-len(exps) // 32) + 2  # 32 blocks a chunk, then the two mixed chunks
+    nb = chunks * 32
+    e = torch.tensor(exps * (nb // len(exps) + 1))[:nb]
+    e = e[torch.randperm(nb, generator=g)]
+    e[-64:-60] = torch.tensor([1, 5, f.lowest - 1, f.lowest - 2])  # outside: the last 2 chunks
+    e[-60:] = torch.randint(f.lowest, 1, (60,), generator=g)
+    # a maximum pattern with exponent e: ((pattern + carry) >> 7) - bias = e
+    top = (e + f.bias) * 128 - f.carry + torch.randint(0, 128, (nb,), generator=g)
+    lo, hi = f.pattern_range
+    top[:4] = torch.tensor([lo, lo + 1, hi - 1, hi])  # the edges of the shifted range
+    e[:4] = torch.tensor([f.lowest, f.lowest, 0, 0])
+    per_block = br * bc
+    mag = torch.randint(0, 1 << 15, (nb, per_block), generator=g) % (top[:, None] + 1)
+    mag[torch.rand(nb, per_block, generator=g) < 0.1] = 0  # zeros (with either sign)
+    mag[:, 0] = top
+    mag[torch.rand(nb, generator=g) < 0.05] = 0  # all-zero blocks
+    sign = torch.randint(0, 2, (nb, per_block), generator=g) << 15
+    mag = mag[:, torch.randperm(per_block, generator=g)]
+    patterns = (mag | sign).to(torch.int32).to(torch.uint16).view(torch.bfloat16)
+    # blocks [nb, br * bc] -> [chunks, 8, br, 4, bc] (8 x 4 blocks a chunk) -> [N, K]
+    w = patterns.view(chunks, 8, 4, br, bc).permute(0, 1, 3, 2, 4).reshape(-1, k).contiguous()
+    assert int(torch.isfinite(w).all()) and w.shape[0] == chunks * block_rows
+    quantize = rq.quantize_fp8 if fmt == "fp8" else rq.quantize_fp4
+    fast, ref = quantize(w), quantize(w.float())
+    for a, b in zip(fast, ref, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    scales = fast[1].view(torch.uint8).to(torch.int32) - 127
+    blocks = w.view(chunks, 8, br, 4, bc).permute(0, 1, 3, 2, 4).reshape(nb, per_block)
+    nonzero = blocks.ne(0).any(dim=1)
+    assert torch.equal(scales.reshape(-1)[nonzero], e[nonzero].to(torch.int32))
