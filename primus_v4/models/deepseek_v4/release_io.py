@@ -462,14 +462,19 @@ def write_release(
     )
 
 
+ENCODE_AHEAD_BYTES = 256 << 20  # source bytes an export queues ahead of its writes
+
+
 def _encoded(
     tensors: Iterable[tuple[str, torch.Tensor]], storage: Callable[[str], str], dtype: ExportDtype
 ) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
     """(logical name, stored tensors) per source tensor, in order, encoded ahead on worker
     threads (`load_workers()` of them; torch ops and file writes release the GIL) while the
     caller writes: quantizing overlaps the disk and uses the cores (its byte gathers are serial
-    in torch, so torch ops run single-threaded meanwhile, see `ReleaseReader.concurrent`). At
-    most workers + 1 encoded tensors are alive."""
+    in torch, so torch ops run single-threaded meanwhile, see `ReleaseReader.concurrent`).
+    Tensors are queued ahead up to `ENCODE_AHEAD_BYTES` of their source bytes (at least
+    workers + 1 of them), so a write that waits for a core does not stall the encoders; that
+    bounds what is encoded and not yet written."""
     workers = load_workers()
     threads = torch.get_num_threads()
     if workers > 1:
@@ -480,13 +485,18 @@ def _encoded(
 
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="export-encode") as pool:
-            ahead: collections.deque = collections.deque()
+            ahead: collections.deque = collections.deque()  # (future, source bytes)
+            queued = 0
             for name, tensor in tensors:
-                ahead.append(pool.submit(encode, name, tensor))
-                if len(ahead) > workers:
-                    yield ahead.popleft().result()
+                size = tensor.numel() * tensor.element_size()
+                ahead.append((pool.submit(encode, name, tensor), size))
+                queued += size
+                while len(ahead) > workers and queued > ENCODE_AHEAD_BYTES:
+                    future, size = ahead.popleft()
+                    queued -= size
+                    yield future.result()
             while ahead:
-                yield ahead.popleft().result()
+                yield ahead.popleft()[0].result()
     finally:
         torch.set_num_threads(threads)
 
