@@ -55,6 +55,8 @@ class WindowPlan:
     """First compact window visible to each local query (its sample's first window)."""
     hi_T: torch.Tensor
     """One past the last compact window visible to each local query."""
+    end_T: torch.Tensor
+    """One past the last compact window of each local query's sample."""
 
     @property
     def num_windows(self) -> int:
@@ -100,6 +102,7 @@ def build_window_plan(layout: RowLayout, ratio: int, *, overlap: bool) -> Window
         own_row_C=own_row_C,
         lo_T=lo_T,
         hi_T=lo_T + (u_T + 1) // ratio,
+        end_T=lo_T + nwin_N[seg_T],
     )
 
 

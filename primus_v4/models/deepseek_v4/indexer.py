@@ -9,8 +9,10 @@ dim, P = compact compressed windows of the pack, K = top-k.
 - Keys: the indexer's own overlap compressor (ratio 4, width D) with RoPE at the window's first
   position g * r (compressor.py).
 - Scores: scale * sum_h w[t, h] * relu(q[t, h] . k[j]) with per-head weights w = hidden -> H and
-  scale = H^-1/2 * D^-1/2, only over the query's own-sample complete windows; exact chunked
-  running top-k (kernels/indexer_topk.py); -1 where a query has fewer than K visible keys.
+  scale = H^-1/2 * D^-1/2, only over the query's own-sample complete windows; top-k as HF
+  takes it for samples up to 4096 windows (one row over the sample, torch.topk: equal scores
+  resolve as there), an exact chunked running top-k beyond (kernels/indexer_topk.py); -1 where
+  a query has fewer than K visible keys.
   DeepSeek's inference code also applies a Hadamard rotation to q and k before simulating FP4
   quantization; the rotation is orthonormal, so without quantization the scores are unchanged
   and it is left out (as in HF transformers).
@@ -85,6 +87,7 @@ class Indexer(nn.Module):
             k_PD,
             lo_T=plan.lo_T,
             hi_T=plan.hi_T,
+            end_T=plan.end_T,
             topk=self.topk,
             chunk=self.chunk,
             scale=self.scale,

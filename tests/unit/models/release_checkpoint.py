@@ -48,10 +48,10 @@ _COMMON = {
     "torch_dtype": "float32",
     "transformers_version": "4.57.1",
 }
-# Two geometries: dense/CSA/HCA layers, a hash layer, windows small enough that the compressed
-# branches decide, index_topk below the number of visible ratio-4 keys. 16 indexer heads: an
-# exactly-zero index score (every head's ReLU zero, 2^-16 per key) would tie, and tied top-k picks
-# are implementation-defined in any implementation.
+# Three geometries: dense/CSA/HCA layers, a hash layer, windows small enough that the compressed
+# branches decide, index_topk below the number of visible ratio-4 keys. "c" has 2 indexer heads:
+# a key scores exactly 0 when every head's ReLU is zero (1 in 4 keys), so many rows hold equal
+# scores at the k-th place, which the selection must resolve as HF's torch.topk does.
 GEOMETRIES = {
     "a": {
         **_COMMON,
@@ -96,6 +96,28 @@ GEOMETRIES = {
         "index_topk": 3,
         "hc_mult": 3,
         "compress_ratios": [4, 128, 0, 4, 4],
+    },
+    "c": {
+        **_COMMON,
+        "hidden_size": 32,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        "head_dim": 32,
+        "qk_rope_head_dim": 8,
+        "q_lora_rank": 16,
+        "o_groups": 1,
+        "o_lora_rank": 16,
+        "n_routed_experts": 5,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "routed_scaling_factor": 1.0,
+        "num_hash_layers": 1,
+        "sliding_window": 4,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 5,
+        "hc_mult": 2,
+        "compress_ratios": [4, 4, 128, 4],
     },
 }
 

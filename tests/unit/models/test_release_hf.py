@@ -1,6 +1,6 @@
 """The released architecture, with HF transformers' DeepseekV4ForCausalLM as the oracle.
 
-A tiny random checkpoint in the RELEASE layout (release_checkpoint.py; two geometries and seeds)
+A tiny random checkpoint in the RELEASE layout (release_checkpoint.py; three geometries and seeds)
 is loaded by HF and by us: logits agree, a pack equals HF run on each sample alone, MTP equals
 the release formula built from the raw tensors and HF's layer, and a bf16 export reloads in HF
 and in ours. Tolerances: float32 everywhere; 1e-5 of the largest logit covers summation-order
@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers", minversion="5.23")
 hf_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 REL_TOL = 1e-5  # float32, different summation order (see the module docstring)
-CASES = [("a", 0), ("b", 1)]
+CASES = [("a", 0), ("b", 1), ("c", 2)]
 LENGTHS = (261, 139, 57, 3)  # a pack: two HCA-window samples, a CSA-only one, a tiny one
 
 
