@@ -1,6 +1,8 @@
 """Released checkpoints in and out of a whole `DeepseekV4Model` (one process).
 
-`load_release(path, dtype=)` builds the model from the directory's config.json on the meta device,
+`load_release(path, dtype=)` builds the model from the directory's config.json on the meta device
+(a directory saved by transformers' `save_pretrained` reads the same: its config keys and names
+are translated, release_config.hf_to_release and release.from_hf_name),
 materializes it in `dtype`, fills every parameter and persistent buffer from the release tensors
 through the name table (release.py) and checks that every checkpoint tensor was consumed (or is on
 the documented ignore list `release.IGNORED`). `save_release(model, out, dtype=)` writes the
@@ -16,9 +18,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from primus_v4.log import get_logger
 from primus_v4.models.deepseek_v4 import release
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
+from primus_v4.models.deepseek_v4.release_config import is_hf_config
 from primus_v4.models.deepseek_v4.release_io import ReleaseReader, load_workers, write_release
+
+log = get_logger(__name__)
 
 
 def read_config(path: str | os.PathLike, **overrides) -> DeepseekV4Config:
@@ -29,7 +35,15 @@ def read_config(path: str | os.PathLike, **overrides) -> DeepseekV4Config:
     file = p / "config.json" if p.is_dir() else p
     if not file.exists():
         raise FileNotFoundError(f"{file}: no config.json; pass a release checkpoint directory")
-    return release.config_from_release(json.loads(file.read_text()), source=str(file), **overrides)
+    d = json.loads(file.read_text())
+    if is_hf_config(d):
+        log.info(
+            "%s: saved by transformers (its own config keys and 'model.' tensor names), read as "
+            "the release; it holds no MTP layers (transformers' model has none), so the model "
+            "has none either",
+            file,
+        )
+    return release.config_from_release(d, source=str(file), **overrides)
 
 
 def check_consumed(reader: ReleaseReader, cfg: DeepseekV4Config) -> None:

@@ -266,6 +266,30 @@ def stored_tensors(cfg: DeepseekV4Config) -> dict[str, tuple[tuple[int, ...], to
     return {n: s for r in release_tensors(cfg).values() for n, s in r.stored().items()}
 
 
+# transformers' `save_pretrained` writes the release's names under "model." with a few of its
+# own (the rest of its reverse renaming lands back on the release's): name -> release name
+_HF_NAMES = (
+    (r"^model\.embed_tokens\.weight$", "embed.weight"),
+    (r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"^model\.layers\.(\d+)\.attn\.norm\.weight$", r"layers.\1.attn.kv_norm.weight"),
+    (r"^model\.", ""),
+)
+
+
+def is_hf_saved(names: Iterable[str]) -> bool:
+    """Whether stored tensor names are transformers' `save_pretrained` layout ("model." ...)."""
+    return any(n.startswith("model.") for n in names)
+
+
+def from_hf_name(name: str) -> str:
+    """The release name of a tensor as transformers' `save_pretrained` stores it."""
+    for pattern, repl in _HF_NAMES:
+        out, hits = re.subn(pattern, repl, name)
+        if hits:
+            return out
+    return name
+
+
 def ignored(name: str) -> bool:
     """True for a checkpoint name on the documented ignore list (`IGNORED`)."""
     return any(re.search(p, name) for p in IGNORED)

@@ -124,10 +124,99 @@ def _ratio_fields(d: dict, layers: int, mtp: int) -> dict[str, Any]:
     }
 
 
+# transformers' DeepseekV4Config keys that a checkpoint saved by its `save_pretrained` holds
+# instead of the release's (`hf_to_release` turns them into those), and generic
+# PretrainedConfig keys that do not change the math.
+HF_KEYS = frozenset(
+    {"layer_types", "mlp_layer_types", "compress_rates", "rope_parameters", "partial_rotary_factor"}
+)
+_HF_GENERIC = frozenset(
+    {
+        "_name_or_path", "chunk_size_feed_forward", "id2label", "label2id",
+        "is_encoder_decoder", "output_attentions", "output_hidden_states", "problem_type",
+        "return_dict", "tie_encoder_decoder", "torchscript",
+    }
+)  # fmt: skip
+_HF_LAYER_KINDS = frozenset(
+    {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
+)
+
+
+def is_hf_config(d: dict) -> bool:
+    """Whether a config.json was written by transformers' `save_pretrained` (its own keys)
+    rather than in the release's keys."""
+    return bool(HF_KEYS & set(d))
+
+
+def hf_to_release(d: dict, *, source: str = "config.json") -> dict:
+    """The release's config.json keys for a transformers-saved DeepSeek-V4 config:
+    `layer_types` + `compress_rates` -> `compress_ratios` (sliding 0), `mlp_layer_types` (the
+    'hash_moe' layers first) -> `num_hash_layers`, `rope_parameters` {'main', 'compress'} ->
+    `rope_theta`, `compress_rope_theta`, `rope_scaling` (YaRN, no attention factor), and
+    `partial_rotary_factor` checked against qk_rope_head_dim / head_dim. transformers'
+    DeepseekV4ForCausalLM has no MTP and saves none, so `num_nextn_predict_layers` becomes 0."""
+
+    def bad(msg: str) -> ConfigError:
+        return ConfigError(f"{source} (a transformers-saved config): {msg}")
+
+    out = {k: v for k, v in d.items() if k not in HF_KEYS and k not in _HF_GENERIC}
+    layers = d.get("num_hidden_layers")
+    kinds = d.get("layer_types")
+    rates = d.get("compress_rates") or {}
+    if not isinstance(kinds, list) or len(kinds) != layers:
+        raise bad(f"layer_types must list num_hidden_layers ({layers}) layer kinds, got {kinds!r}")
+    unknown = sorted(set(kinds) - _HF_LAYER_KINDS)
+    if unknown:
+        raise bad(
+            f"layer_types {unknown} are not DeepSeek-V4 layer kinds {sorted(_HF_LAYER_KINDS)}"
+        )
+    missing = sorted({k for k in kinds if k != "sliding_attention"} - set(rates))
+    if missing:
+        raise bad(f"compress_rates has no rate for {missing}")
+    out["compress_ratios"] = [0 if k == "sliding_attention" else int(rates[k]) for k in kinds]
+    mlp = d.get("mlp_layer_types")
+    if mlp is not None:
+        hashed = sum(1 for m in mlp if m == "hash_moe")
+        if len(mlp) != layers or set(mlp) - {"hash_moe", "moe"} or mlp[hashed:].count("hash_moe"):
+            raise bad(
+                f"mlp_layer_types must be num_hidden_layers of 'hash_moe' then 'moe', got {mlp}"
+            )
+        out["num_hash_layers"] = hashed
+    rope = d.get("rope_parameters")
+    if rope is not None:
+        main, comp = rope.get("main") or {}, rope.get("compress") or {}
+        if main.get("rope_type", "default") != "default":
+            raise bad(f"rope_parameters.main is {main.get('rope_type')!r}; the release's dense "
+                      "layers use plain RoPE")  # fmt: skip
+        if float(comp.get("attention_factor", 1.0)) != 1.0:
+            raise bad("rope_parameters.compress.attention_factor must be 1 (the release keeps "
+                      "unit-magnitude cos/sin)")  # fmt: skip
+        out["rope_theta"] = main.get("rope_theta", d.get("rope_theta"))
+        out["compress_rope_theta"] = comp.get("rope_theta", d.get("compress_rope_theta"))
+        out.pop("rope_scaling", None)
+        if comp.get("rope_type", comp.get("type")) == "yarn":
+            out["rope_scaling"] = {"type": "yarn", "factor": comp["factor"],
+                                   "original_max_position_embeddings":
+                                       comp["original_max_position_embeddings"],
+                                   "beta_fast": comp.get("beta_fast", 32),
+                                   "beta_slow": comp.get("beta_slow", 1)}  # fmt: skip
+        elif comp.get("rope_type", comp.get("type", "default")) != "default":
+            raise bad(f"rope_parameters.compress is {comp.get('rope_type')!r}: only YaRN or none")
+    factor = d.get("partial_rotary_factor")
+    if factor is not None and abs(factor * d["head_dim"] - d["qk_rope_head_dim"]) > 1e-6:
+        raise bad(f"partial_rotary_factor {factor} x head_dim {d['head_dim']} is not "
+                  f"qk_rope_head_dim {d['qk_rope_head_dim']}")  # fmt: skip
+    out["num_nextn_predict_layers"] = 0
+    return out
+
+
 def config_from_release(d: dict, *, source: str = "config.json", **overrides) -> DeepseekV4Config:
-    """DeepseekV4Config from the release's config.json dict (see the module docstring).
+    """DeepseekV4Config from the release's config.json dict (see the module docstring); a
+    transformers-saved config.json (its own keys) is translated first (`hf_to_release`).
 
     `overrides` are our own training fields (e.g. recompute) applied on top."""
+    if is_hf_config(d):
+        d = hf_to_release(d, source=source)
     unknown = sorted(
         set(d) - set(FIELDS) - set(_REQUIRED) - IGNORED_KEYS - {"compress_ratios", "rope_scaling"}
     )

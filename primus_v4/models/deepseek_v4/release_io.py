@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from primus_v4.models.deepseek_v4 import release
 from primus_v4.models.deepseek_v4.release_errors import ReleaseFormatError
 from primus_v4.models.deepseek_v4.release_quant import (
     FP4_BLOCK,
@@ -132,6 +133,15 @@ class ReleaseReader:
                     f"{self.directory / shard}: the index maps '{name}' to this shard but it "
                     "does not hold it; the index and the shards are from different checkpoints"
                 )
+        self.hf_saved = release.is_hf_saved(self._shard_of)
+        if self.hf_saved:  # transformers' save_pretrained names: read under the release's
+            renamed = {release.from_hf_name(n): n for n in self._shard_of}
+            if len(renamed) != len(self._shard_of):
+                raise ReleaseFormatError(
+                    f"{self.directory}: two stored tensors map to one release name"
+                )
+            self._shard_of = {r: self._shard_of[n] for r, n in renamed.items()}
+            self._meta = {r: self._meta[n] for r, n in renamed.items()}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()  # open files and the byte count; reads need none
         self._local = threading.local()  # per-thread decode scratch

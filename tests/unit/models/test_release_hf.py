@@ -190,3 +190,22 @@ def test_config_json_round_trip(case) -> None:
     again = config_from_release(config_to_release(cfg))
     for f in ("hidden_size", "num_hash_layers", "index_topk", "hc_mult", "attn_sliding_window"):
         assert getattr(again, f) == getattr(cfg, f)
+
+
+@torch.no_grad()
+def test_a_transformers_saved_checkpoint_reads_as_the_release(case, tmp_path) -> None:
+    """transformers' save_pretrained writes its own config keys (layer_types, compress_rates,
+    rope_parameters, ...), the release's names under "model." with a few of its own
+    (embed_tokens, hc_head.*, attn.norm), and no MTP (its model has none). It loads as the
+    release without MTP: every other weight as from the release checkpoint, HF's logits."""
+    case["hf"].save_pretrained(tmp_path / "hf")
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {"layer_types", "rope_parameters"} <= set(saved) and "compress_ratios" not in saved
+    ours = DeepseekV4Model.from_pretrained(tmp_path / "hf", dtype=torch.float32, progress=False)
+    assert ours.cfg.mtp_num_layers == 0
+    ref = case["ours"].state_dict()
+    state = ours.state_dict()
+    assert state and all(torch.equal(t, ref[n]) for n, t in state.items())
+    assert any(n.startswith("mtp.") for n in ref) and not any(n.startswith("mtp.") for n in state)
+    ids = case["ids"][:300][None]
+    assert rel_err(ours.eval()(ids).logits, case["hf"](input_ids=ids).logits) <= REL_TOL

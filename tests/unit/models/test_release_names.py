@@ -231,6 +231,53 @@ def test_config_json_keys_are_strict() -> None:
     )
 
 
+def _hf_saved_config(config: dict) -> dict:
+    """`config` as transformers' save_pretrained writes it (geometry "a": sliding, CSA, HCA,
+    CSA; one hash layer), from its keys in transformers 5.2x."""
+    out = {k: v for k, v in config.items() if k not in ("compress_ratios", "rope_scaling")}
+    kinds = {0: "sliding_attention", 4: "compressed_sparse_attention",
+             128: "heavily_compressed_attention"}  # fmt: skip
+    layers = config["num_hidden_layers"]
+    yarn = {**config["rope_scaling"], "rope_type": "yarn", "attention_factor": 1.0}
+    return {
+        **out,
+        "layer_types": [kinds[r] for r in config["compress_ratios"][:layers]],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "mlp_layer_types": ["hash_moe"] * config["num_hash_layers"]
+        + ["moe"] * (layers - config["num_hash_layers"]),
+        "partial_rotary_factor": config["qk_rope_head_dim"] / config["head_dim"],
+        "rope_parameters": {
+            "main": {"rope_theta": 10000, "rope_type": "default"},
+            "compress": {**yarn, "rope_theta": 160000},
+        },
+        "_name_or_path": "somewhere",
+    }
+
+
+def test_transformers_saved_config_keys_read_as_the_release_or_fail_by_name() -> None:
+    config = release_config("a")
+    hf = _hf_saved_config(config)
+    got, want = rel.config_from_release(hf), rel.config_from_release(config)
+    assert got.mtp_num_layers == 0  # transformers' model has no MTP and saves none
+    for f in ("compress_ratios", "num_hash_layers", "rotary_base", "compress_rope_theta",
+              "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast",
+              "beta_slow", "qk_pos_emb_head_dim", "hidden_size", "index_topk"):  # fmt: skip
+        assert getattr(got, f) == getattr(want, f), f
+    cases = {
+        "mlp_layer_types must be": {"mlp_layer_types": ["moe", "hash_moe", "moe", "moe"]},
+        "partial_rotary_factor 0.5": {"partial_rotary_factor": 0.5},
+        r"layer_types \['full_attention'\]": {"layer_types": ["full_attention"] * 4},
+        "layer_types must list": {"layer_types": hf["layer_types"][:3]},
+        "attention_factor must be 1": {"rope_parameters": {
+            **hf["rope_parameters"],
+            "compress": {**hf["rope_parameters"]["compress"], "attention_factor": 0.7}}},
+        "compress_rates has no rate": {"compress_rates": {"compressed_sparse_attention": 4}},
+    }  # fmt: skip
+    for message, change in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            rel.config_from_release({**hf, **change})
+
+
 def test_load_errors_name_unused_and_missing_tensors(tmp_path) -> None:
     path, _, _ = make_checkpoint(tmp_path / "ok", "a", 0)
     tensors = load_file(path / "model.safetensors")
