@@ -139,6 +139,12 @@ def _child_export(directory: str, scratch: str) -> dict:
             if dtype == "fp8":  # what the export's own encoding costs, nothing written
                 _keep_best(best, "encode", *_encode_only(model))
         out[dtype] = best
+        if dtype == "fp8":
+            from primus_v4.models.deepseek_v4 import release_native
+
+            native = release_native.library() is not None
+            best["quantizer"] = "the native C pass" if native else "torch ops: no C compiler"
+
         if dtype == "fp8":  # the bf16 export stays: the second load floor reads it
             shutil.rmtree(target)
     return out
@@ -227,7 +233,7 @@ def _report(written: dict, floor: list[dict], ours: list[dict], export: dict,
                          f"{e['encode_s'] / e['floor_s']:.2f}x the safetensors write, CPU "
                          f"{e['encode_cpu_s']:.2f} s: quantizing {written['values'] / 1e9:.2f} G "
                          f"values, {e['encode_cpu_s'] / written['values'] * 1e9:.2f} ns CPU "
-                         "each"))  # fmt: skip
+                         f"each ({e['quantizer']})"))  # fmt: skip
     width = max(len(r[0]) for r in rows)
     print(f"{'case':<{width}}  {'value':>10}  notes")
     for name, value, note in rows:

@@ -11,11 +11,12 @@ trap 'rm -rf "${work}"' EXIT
 
 "${python}" -m pip wheel -q --no-deps --wheel-dir "${work}/dist" "${repo}"
 wheel="$(ls "${work}"/dist/primus_v4-*.whl)"
-# The presets and run configs must be inside the wheel, not only in the checkout.
+# The presets, run configs and the native quantizer's source must be inside the wheel.
 "${python}" - "${wheel}" <<'PY'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-need = ["primus_v4/configs/models/deepseek_v4_flash.yaml", "primus_v4/configs/runs/tiny_cpu_thd.yaml"]
+need = ["primus_v4/configs/models/deepseek_v4_flash.yaml", "primus_v4/configs/runs/tiny_cpu_thd.yaml",
+        "primus_v4/models/deepseek_v4/quant_bf16.c"]
 missing = [n for n in need if n not in names]
 sys.exit(f"wheel lacks {missing}" if missing else 0)
 PY
@@ -30,4 +31,9 @@ cd "${work}"  # nothing from the checkout is importable from here
   --set output.dir="${work}/out" --set data.cache_dir="${work}/packs" \
   --set data.lock_dir="${work}/locks" --set output.progress_bar=false --set output.plot=false
 test "$(wc -l < "${work}/out/metrics.jsonl")" -eq 2
+# where a C compiler is at hand, the installed package builds its native quantizer
+if command -v "${CC:-cc}" >/dev/null; then
+  PRIMUS_V4_CACHE_DIR="${work}/cache" "${work}/venv/bin/python" -c \
+    "from primus_v4.models.deepseek_v4 import release_native as n; assert n.library(), 'no build'"
+fi
 echo "wheel check: ok ($(basename "${wheel}"))"

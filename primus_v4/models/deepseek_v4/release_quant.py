@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from primus_v4.models.deepseek_v4 import release_native
+
 FP8_BLOCK = 128
 FP4_BLOCK = 32
 FP8_MAX = 448.0
@@ -313,8 +315,9 @@ def _scratch(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 
 def _quantize_bf16(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_fp8` / `quantize_fp4` of a contiguous bf16 `[N, K]` (FP8: N, K multiples of
-    128), by row chunks, in integer operations on the bf16 bit patterns, bit-equal to the
-    float32 path (tested over every bf16 pattern):
+    128): as one C pass per block (release_native.py) when a compiler is at hand, else by row
+    chunks of torch integer operations on the bf16 bit patterns; both bit-equal to the float32
+    path (tested over every bf16 pattern). The algorithm:
     - block maxima: the patterns without their sign bit order like the magnitudes, so an int32
       max over them is the block's largest |x|, and its exponent follows by a carry
       (`_Bf16Format`);
@@ -327,9 +330,18 @@ def _quantize_bf16(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tenso
       then FP4 packs two codes per byte."""
     n, k = w.shape
     f = _BF16_FORMATS[fmt]
+    table = _bf16_code_table(fmt)
+    native = release_native.quantize(
+        w, fmt, carry=f.carry, bias=f.bias, lowest=f.lowest, table=table
+    )  # the same algorithm as one C pass, when a compiler is at hand (release_native.py)
+    if native is not None:
+        out, exponent, bad = native
+        if bad:
+            raise ValueError(f"{bad} quantization block(s) hold NaN or inf values")
+        q = out.view(torch.float8_e4m3fn) if fmt == "fp8" else out.view(torch.int8)
+        return q, float_to_e8m0(exponent)
     br, bc = f.block_rows, f.block_cols
     lo_pattern, hi_pattern = f.pattern_range
-    table = _bf16_code_table(fmt)
     exponent = torch.empty(n // br, k // bc, dtype=torch.int32)
     out = torch.empty(n, k if fmt == "fp8" else k // 2, dtype=torch.uint8)
     step = max(1, QUANT_CHUNK // (k * br)) * br

@@ -4,6 +4,8 @@ written from the formats' bit layouts, and quantize -> dequantize within the sta
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -174,8 +176,25 @@ def test_quantizers_name_bad_shapes() -> None:
         dequantize_fp4(torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4, 1), torch.float32)
 
 
+@pytest.fixture(params=["native", "torch"])
+def bf16_path(request, monkeypatch) -> str:
+    """Both bf16 quantizers: the C pass (release_native.py; built here whenever a C compiler is
+    present, and then it must build) and the torch ops it stands in for."""
+    from primus_v4.models.deepseek_v4 import release_native
+
+    if request.param == "torch":
+        monkeypatch.setenv(release_native.ENV_SWITCH, "0")
+        assert release_native.library() is None
+    else:
+        monkeypatch.delenv(release_native.ENV_SWITCH, raising=False)
+        if shutil.which(os.environ.get("CC", "cc")) is None:
+            pytest.skip("no C compiler here: the native quantizer is not built")
+        assert release_native.library() is not None, "quant_bf16.c did not build"
+    return request.param
+
+
 @pytest.mark.parametrize("seed", [0, 1])
-def test_bf16_quantizers_give_the_float32_paths_bits(seed: int) -> None:
+def test_bf16_quantizers_give_the_float32_paths_bits(seed: int, bf16_path: str) -> None:
     """bf16 weights quantize by table lookup: the same codes and scales as quantizing their
     float32 values, for every finite bf16 bit pattern (zeros and subnormals included) in blocks
     of random magnitudes; a block with NaN or inf is refused on both paths."""
@@ -224,7 +243,9 @@ def test_block_scales_are_the_smallest_power_of_two_at_the_edges_of_e8m0() -> No
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_bf16_quantizers_shift_exponents_like_the_float32_division(fmt, monkeypatch) -> None:
+def test_bf16_quantizers_shift_exponents_like_the_float32_division(
+    fmt, monkeypatch, bf16_path: str
+) -> None:
     """The bf16 fast path divides by 2^e by moving exponent fields. Small chunks: most hold
     only blocks whose scale is in the shifted range (every exponent from the lowest to 0, and
     both edges), with zeros, negative zeros and subnormals under every maximum, and all-zero
@@ -268,3 +289,19 @@ def test_bf16_quantizers_shift_exponents_like_the_float32_division(fmt, monkeypa
     blocks = w.view(chunks, 8, br, 4, bc).permute(0, 1, 3, 2, 4).reshape(nb, per_block)
     nonzero = blocks.ne(0).any(dim=1)
     assert torch.equal(scales.reshape(-1)[nonzero], e[nonzero].to(torch.int32))
+
+
+def test_without_a_compiler_the_torch_ops_quantize_to_the_same_bits(monkeypatch) -> None:
+    """A missing compiler is no error: the torch path gives the bits the C pass gives."""
+    from primus_v4.models.deepseek_v4 import release_native
+
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(256, 256, generator=g) * 0.02).to(torch.bfloat16)
+    w[3, :64] = 0.0
+    w[130:, 40] = 1e4  # a scale above 1: the division path
+    first = [quantize_fp4(w), quantize_fp8(w)]
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert release_native.library() is None
+    for (a, sa), (b, sb) in zip(first, [quantize_fp4(w), quantize_fp8(w)], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(sa.view(torch.uint8), sb.view(torch.uint8))
