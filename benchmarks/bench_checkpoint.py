@@ -2,7 +2,7 @@
 
 Writes a synthetic release-layout checkpoint (FP8 e4m3 linears + FP4 e2m1 experts with ue8m0
 scales, bf16 / fp32 / int64 rest; >= 1 GiB stored) into a temp dir, then, each case in a fresh
-subprocess (so peaks do not mix) and each twice, alternating (best time kept):
+subprocess (so peaks do not mix) and each three times, alternating (best time kept):
   load     `load_release(dir, dtype=bfloat16)` (dequantize into a whole bf16 model)
            vs the floor: safetensors `safe_open` + `get_tensor` (+ clone: owned bytes, all kept
            like a loader's result) of every stored tensor, and vs the same read of the model's
@@ -32,7 +32,7 @@ from pathlib import Path
 
 THREADS = [0]  # --threads (0: torch's default)
 SHARD_BYTES = 1 << 30  # export shards (both sides): bounds what a writer holds at once
-REPEATS = 2  # every timed case, best kept (this kind of machine swings by 2x between runs)
+REPEATS = 3  # every timed case, best kept (this kind of machine swings by 2x between runs)
 
 
 def _config(layers: int) -> dict:
@@ -269,11 +269,11 @@ def main() -> None:
         ckpt = tmp / "release"
         written = _write_synthetic(ckpt, _config(args.layers))
         floor, ours = [], []
-        for _ in range(2):  # alternate, best of two: page cache and machine load alike
+        for _ in range(REPEATS):  # alternate, best of each: page cache and machine load alike
             floor.append(_run_child("floor", str(ckpt)))
             ours.append(_run_child("load", str(ckpt)))
         export = _run_child("export", str(ckpt), str(tmp))
-        bf16 = [_run_child("floor", str(tmp / "export_bfloat16")) for _ in range(2)]
+        bf16 = [_run_child("floor", str(tmp / "export_bfloat16")) for _ in range(REPEATS)]
         import torch
 
         threads = args.threads or torch.get_num_threads()
