@@ -42,11 +42,18 @@ static inline int block_top(const uint16_t *v, int64_t len) {
     return top;
 }
 
+/* What x / 2^e adds to a pattern when the exponent field can move (e in [lowest, 0], or an
+ * all-zero block: shift clamped to -lowest), else -1 (multiply instead). */
+static inline int pattern_add(int e, int top, int lowest) {
+    if (top != 0 && (e < lowest || e > 0)) return -1;
+    return (-e < -lowest ? -e : -lowest) << 7;
+}
+
 /* y[j] = the pattern of v[j] / 2^e (see the header), len values. */
 static inline void scale_block(const uint16_t *v, int64_t len, int e, int top, int lowest,
                                uint16_t *y) {
-    if (top == 0 || (e >= lowest && e <= 0)) {
-        uint16_t add = (uint16_t)((-e < -lowest ? -e : -lowest) << 7);
+    const int add = pattern_add(e, top, lowest);
+    if (add >= 0) {
         for (int64_t j = 0; j < len; ++j) y[j] = (uint16_t)(v[j] + add);
     } else {
         float inverse = power_of_two(-e);
@@ -59,13 +66,12 @@ static inline int exponent_of(int top, int carry, int bias) {
     return e < -127 ? -127 : (e > 127 ? 127 : e);
 }
 
-
 /* e2m1 codes of 32 scaled patterns (|y| <= 6), two per byte, the even one low. With SSE2 (every
  * x86-64) by arithmetic, 8 lanes of 16 bits, the table's values (checked against it for every
  * pattern): from 1 up, rounding the 7 mantissa bits to 1 (nearest, ties to even) counts codes
  * 2..7; below 1 the grid is 0, 0.5, 1 with its ties at 0.25 (down) and 0.75 (up); bit 3 is the
- * sign. Elsewhere by the table. */
-#if defined(__SSE2__)
+ * sign. Elsewhere (or built with -DQUANT_BF16_PORTABLE, as a test does) by the table. */
+#if defined(__SSE2__) && !defined(QUANT_BF16_PORTABLE)
 #include <emmintrin.h>
 static inline __m128i fp4_codes8(__m128i y) {
     const __m128i m = _mm_and_si128(y, _mm_set1_epi16(0x7FFF));
@@ -106,9 +112,10 @@ static inline int fp4_group(const uint16_t *v, int carry, int bias, int lowest, 
     const int top = _mm_extract_epi16(mx, 0);
     const int e = exponent_of(top, carry, bias);
     *e_out = e;
-    if (top == 0 || (e >= lowest && e <= 0)) {
-        const __m128i add = _mm_set1_epi16((short)((-e < -lowest ? -e : -lowest) << 7));
-        for (int i = 0; i < 4; ++i) a[i] = _mm_add_epi16(a[i], add);
+    const int add = pattern_add(e, top, lowest);
+    if (add >= 0) {
+        const __m128i by = _mm_set1_epi16((short)add);
+        for (int i = 0; i < 4; ++i) a[i] = _mm_add_epi16(a[i], by);
     } else {
         uint16_t y[32];
         scale_block(v, 32, e, top, lowest, y);

@@ -176,20 +176,25 @@ def test_quantizers_name_bad_shapes() -> None:
         dequantize_fp4(torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4, 1), torch.float32)
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "native-portable", "torch"])
 def bf16_path(request, monkeypatch) -> str:
-    """Both bf16 quantizers: the C pass (release_native.py; built here whenever a C compiler is
-    present, and then it must build) and the torch ops it stands in for."""
+    """Every bf16 quantizer: the C pass (release_native.py; built here whenever a C compiler is
+    present, and then it must build), its table variant for machines without SSE2, and the
+    torch ops it stands in for."""
     from primus_v4.models.deepseek_v4 import release_native
 
     if request.param == "torch":
         monkeypatch.setenv(release_native.ENV_SWITCH, "0")
         assert release_native.library() is None
-    else:
-        monkeypatch.delenv(release_native.ENV_SWITCH, raising=False)
-        if shutil.which(os.environ.get("CC", "cc")) is None:
-            pytest.skip("no C compiler here: the native quantizer is not built")
-        assert release_native.library() is not None, "quant_bf16.c did not build"
+        return request.param
+    monkeypatch.delenv(release_native.ENV_SWITCH, raising=False)
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        pytest.skip("no C compiler here: the native quantizer is not built")
+    if request.param == "native-portable":
+        lib = release_native._library(compiler, portable=True)
+        monkeypatch.setattr(release_native, "library", lambda: lib)
+    assert release_native.library() is not None, "quant_bf16.c did not build"
     return request.param
 
 
