@@ -3,13 +3,13 @@
 Writes a synthetic release-layout checkpoint (FP8 e4m3 linears + FP4 e2m1 experts with ue8m0
 scales, bf16 / fp32 / int64 rest; >= 1 GiB stored) into a temp dir, then, each case in a fresh
 subprocess (so peaks do not mix) and each three times, alternating (best time kept):
-  load     `load_release(dir, dtype=bfloat16)` (dequantize into a whole bf16 model)
+  load     `load_pretrained(dir, dtype=bfloat16)` (dequantize into a whole bf16 model)
            vs the floor: safetensors `safe_open` + `get_tensor` (+ clone: owned bytes, all kept
            like a loader's result) of every stored tensor, and vs the same read of the model's
            bf16 export (the same final bytes: FP4 -> bf16 writes 4x the bytes it reads, and
            each new page costs a fault on first touch, so the first floor is out of reach)
   memory   peak RSS of the load vs the bytes of the loaded model's state
-  export   `save_release(model, out, dtype=...)` (bf16, and fp8 incl. quantization)
+  export   `save_pretrained(model, out, dtype=...)` (bf16, and fp8 incl. quantization)
            vs safetensors `save_file` of the same bytes in the same shard sizes; for fp8 also
            the export's encoding alone (quantizing every tensor, nothing written)
 Usage: python benchmarks/bench_checkpoint.py [--layers 11] [--dir /tmp] [--threads N]
@@ -59,11 +59,11 @@ def _config(layers: int) -> dict:
 def _write_synthetic(directory: Path, config: dict) -> dict:
     import torch
 
-    from primus_v4.models.deepseek_v4 import release
-    from primus_v4.models.deepseek_v4.release_io import write_release
+    from primus_v4.checkpoint_formats.sharded import write_checkpoint
+    from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
 
-    cfg = release.config_from_release(config)
-    table = release.release_tensors(cfg)
+    cfg = adapter.config_from_release(config)
+    table = adapter.release_tensors(cfg)
     gen = torch.Generator().manual_seed(0)
 
     def tensors():
@@ -75,7 +75,7 @@ def _write_synthetic(directory: Path, config: dict) -> dict:
 
     kinds = {n: r.kind for n, r in table.items()}
     start = time.perf_counter()
-    summary = write_release(directory, tensors(), kinds, config, dtype="fp8")
+    summary = write_checkpoint(directory, tensors(), kinds, config, dtype="fp8")
     values = sum(math.prod(r.shape) for r in table.values() if r.kind in ("fp8", "fp4"))
     return {"bytes": summary.total_bytes, "shards": summary.shards, "values": values,
             "tensors": len(table), "s": time.perf_counter() - start}  # fmt: skip
@@ -108,11 +108,11 @@ def _child_floor_load(directory: str) -> dict:
 def _child_load(directory: str) -> dict:
     import torch
 
-    from primus_v4.models.deepseek_v4.pretrained import load_release
+    from primus_v4.pretrained.load import load_pretrained
 
     base = _rss_bytes()
     start = time.perf_counter()
-    model = load_release(directory, dtype=torch.bfloat16, progress=False)
+    model = load_pretrained(directory, dtype=torch.bfloat16, progress=False)
     seconds = time.perf_counter() - start
     state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return {"s": seconds, "param_bytes": state, "peak_rss": _rss_bytes(), "base_rss": base}
@@ -121,9 +121,9 @@ def _child_load(directory: str) -> dict:
 def _child_export(directory: str, scratch: str) -> dict:
     import torch
 
-    from primus_v4.models.deepseek_v4.pretrained import load_release, save_release
+    from primus_v4.pretrained.load import load_pretrained, save_pretrained
 
-    model = load_release(directory, dtype=torch.bfloat16, progress=False)
+    model = load_pretrained(directory, dtype=torch.bfloat16, progress=False)
     out: dict = {}
     for dtype in ("bfloat16", "fp8"):
         target = Path(scratch) / f"export_{dtype}"
@@ -133,16 +133,16 @@ def _child_export(directory: str, scratch: str) -> dict:
                 shutil.rmtree(target)
             os.sync()  # both sides start with no dirty pages to write back
             start, cpu = time.perf_counter(), time.process_time()
-            save_release(model, target, dtype=dtype, max_shard_bytes=SHARD_BYTES, progress=False)
+            save_pretrained(model, target, dtype=dtype, max_shard_bytes=SHARD_BYTES, progress=False)
             _keep_best(best, "ours", time.perf_counter() - start, time.process_time() - cpu)
             _keep_best(best, "floor", *_floor_write(target, Path(scratch) / f"floor_{dtype}"))
             if dtype == "fp8":  # what the export's own encoding costs, nothing written
                 _keep_best(best, "encode", *_encode_only(model))
         out[dtype] = best
         if dtype == "fp8":
-            from primus_v4.models.deepseek_v4 import release_native
+            from primus_v4.checkpoint_formats import native_quant
 
-            native = release_native.library() is not None
+            native = native_quant.library() is not None
             best["quantizer"] = "the native C pass" if native else "torch ops: no C compiler"
 
         if dtype == "fp8":  # the bf16 export stays: the second load floor reads it
@@ -180,12 +180,12 @@ def _floor_write(export: Path, copies: Path) -> tuple[float, float]:
 def _encode_only(model) -> tuple[float, float]:
     """(wall, CPU) seconds of the fp8 export's encoding pipeline alone (the same worker threads
     quantizing every tensor, their results dropped): the export's compute floor."""
-    from primus_v4.models.deepseek_v4 import release
-    from primus_v4.models.deepseek_v4.release_io import _encoded
+    from primus_v4.checkpoint_formats.sharded import _encoded
+    from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
 
-    kinds = {r.name: r.kind for r in release.release_tensors(model.cfg).values()}
+    kinds = {r.name: r.kind for r in adapter.release_tensors(model.cfg).values()}
     start, cpu = time.perf_counter(), time.process_time()
-    for _ in _encoded(release.to_release(model.cfg, model.state_dict()), kinds.__getitem__, "fp8"):
+    for _ in _encoded(adapter.to_release(model.cfg, model.state_dict()), kinds.__getitem__, "fp8"):
         pass
     return time.perf_counter() - start, time.process_time() - cpu
 
@@ -217,7 +217,7 @@ def _report(written: dict, floor: list[dict], ours: list[dict], export: dict,
         ("load: safetensors floor", f"{f:.2f} s", "get_tensor + clone of every stored tensor"),
         ("load: safetensors bf16 floor", f"{f16:.2f} s",
          f"the same model as a bf16 checkpoint ({bf16[0]['bytes'] / 2**30:.2f} GiB read)"),
-        ("load: load_release bf16", f"{o:.2f} s",
+        ("load: load_pretrained bf16", f"{o:.2f} s",
          f"{o / f:.2f}x the FP8/FP4 floor (target <= 1.5x), {o / f16:.2f}x the bf16 floor"),
         ("load: peak RSS", f"{mem / 2**30:.2f} GiB",
          f"params {params / 2**30:.2f} GiB: {mem / params:.2f}x (target <= 1.3x); growth during "

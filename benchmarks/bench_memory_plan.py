@@ -62,7 +62,7 @@ _LIBC.mallinfo2.restype = _Mallinfo2
 
 def _sampled(trainer, peak: list[int]) -> None:
     """Sample the in-use bytes at every point where the peak can sit (see the docstring)."""
-    import primus_v4.models.deepseek_v4.loss as loss
+    import primus_v4.models.deepseek_v4.linear_ce as loss
 
     def sample(*_args, **_kwargs) -> None:
         peak[0] = max(peak[0], _in_use())

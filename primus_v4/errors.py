@@ -11,3 +11,7 @@ class ConfigError(PrimusError):
 
 class DataError(PrimusError):
     """A corpus, tokenizer or pack cache that cannot be used."""
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint directory or one of its tensors is not what the reader or caller expects."""

@@ -12,6 +12,7 @@ python -m pip install -q torch==2.13.0
 python -m pip install -q -e '.[test]'
 ruff check .
 ruff format --check .
+lint-imports --no-cache
 if compgen -G "run_scripts/*.sh" >/dev/null; then shellcheck run_scripts/*.sh run_scripts/lib/*.sh tests/run.sh tests/scripts/*.sh .ci/run; fi
 if [ -f Dockerfile ]; then hadolint Dockerfile; fi
 bash tests/scripts/wheel_check.sh python

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from primus_v4.training.export import export_checkpoint, find_source, release_tensor_count
+    from primus_v4.training.export_run import export_checkpoint, find_source, release_tensor_count
 
     source = find_source(args.run, args.step)
     with tqdm(

@@ -9,13 +9,27 @@ catches read-only mounts and holds for root, for whom permission bits do not app
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from primus_v4.config.schema import RunConfig
+from primus_v4.data import cache
+from primus_v4.data.corpus import resolve_source
+from primus_v4.data.mixing import parse_sources
+from primus_v4.data.tokenizer import resolve_tokenizer_dir
 from primus_v4.errors import ConfigError, DataError
+
+TENSORBOARD_MISSING = (
+    "output.tensorboard: true needs the tensorboard package: pip install 'primus_v4[tensorboard]' "
+    "(or pip install tensorboard), or set output.tensorboard=false"
+)
+
+
+def tensorboard_available() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -43,8 +57,6 @@ def writable_problem(path: str | Path) -> str | None:
 
 def run_directories(cfg: RunConfig) -> dict[str, Path]:
     """The directories a run writes, by the config key that sets them (defaults resolved)."""
-    from primus_v4.data import cache
-
     dirs = {"output.dir": Path(cfg.output.dir)}
     if cfg.checkpoint.dir is not None:
         dirs["checkpoint.dir"] = Path(cfg.checkpoint.dir)
@@ -60,10 +72,6 @@ def run_directories(cfg: RunConfig) -> dict[str, Path]:
 def path_problems(cfg: RunConfig) -> list[str]:
     """One line per problem: unwritable output/checkpoint/cache/lock dirs, a missing corpus file
     or tokenizer. Reads no data and imports no torch."""
-    from primus_v4.data.corpus import resolve_source
-    from primus_v4.data.mixing import parse_sources
-    from primus_v4.data.tokenizer import resolve_tokenizer_dir
-
     problems = []
     for key, path in run_directories(cfg).items():
         problem = writable_problem(path)
@@ -81,11 +89,8 @@ def path_problems(cfg: RunConfig) -> list[str]:
         resolve_tokenizer_dir(cfg.data.tokenizer)
     except DataError as exc:
         problems.append(f"data.tokenizer: {exc}")
-    if cfg.output.tensorboard:
-        from primus_v4.training import tensorboard
-
-        if not tensorboard.available():
-            problems.append(tensorboard.MISSING)
+    if cfg.output.tensorboard and not tensorboard_available():
+        problems.append(TENSORBOARD_MISSING)
     return problems
 
 

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from primus_v4.config.schema import RunConfig
-from primus_v4.errors import ConfigError
+from primus_v4.data.pipeline import PackSpec
+from primus_v4.errors import ConfigError, DataError
+from primus_v4.parallel.pipeline_layout import plan_stages
 
 if TYPE_CHECKING:
-    from primus_v4.data.pipeline import PackSpec
     from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 
 
@@ -74,6 +75,8 @@ def parallel_sizes(cfg: RunConfig, world: int) -> ParallelSizes:
 
 def model_config(cfg: RunConfig) -> DeepseekV4Config:
     """The model preset with `model.overrides` and `model.*` applied (errors name the key)."""
+    # torch (megatron, the model) loads only when a model config is asked for: `pack` and
+    # config validation stay torch-free
     from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 
     overrides = dict(cfg.model.overrides)
@@ -102,7 +105,7 @@ def model_config(cfg: RunConfig) -> DeepseekV4Config:
 
 def pretrained_model_config(directory: str, overrides: dict[str, Any]) -> DeepseekV4Config:
     """The model config of a released checkpoint (its config.json), overrides applied."""
-    from primus_v4.models.deepseek_v4.pretrained import read_config
+    from primus_v4.pretrained.load import read_config  # torch-free config path, as above
 
     try:
         return read_config(directory, **overrides)
@@ -123,9 +126,6 @@ def tokenizer_of(cfg: RunConfig) -> str | None:
 def pack_spec(cfg: RunConfig, *, split: str | None = None) -> PackSpec:
     """What the data pipeline packs and caches (checked here; nothing is read or built).
     `split="eval"`: the evaluation corpus (data.eval_path, or data.path's held-out rows)."""
-    from primus_v4.data.pipeline import PackSpec
-    from primus_v4.errors import DataError
-
     d = cfg.data
     path, holdout = d.path, d.eval_fraction
     if split == "eval" and d.eval_path:
@@ -185,8 +185,6 @@ def check_model_fits(cfg: RunConfig, model: DeepseekV4Config) -> None:
             "pipeline stage needs at least one decoder layer"
         )
     if p.pp > 1 or p.pp_layout is not None:
-        from primus_v4.parallel.pipeline import plan_stages
-
         try:  # the stage plan the pipeline engine will build, checked against the model
             plan_stages(
                 pp=p.pp,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from primus_v4.errors import ConfigError
+from primus_v4.data.mixing import parse_sources
+from primus_v4.errors import ConfigError, DataError
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -61,9 +62,6 @@ class DataConfig:
     def __post_init__(self) -> None:
         _require(bool(self.path), "data.path", "must not be empty")
         if isinstance(self.path, list):
-            from primus_v4.data.mixing import parse_sources
-            from primus_v4.errors import DataError
-
             try:
                 parse_sources(self.path)
             except DataError as exc:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from primus_v4.data.synthetic import GENERATOR_VERSION, synthetic_rows
 from primus_v4.data.tokenizer import file_sha256
 from primus_v4.errors import DataError
 
@@ -62,8 +63,6 @@ class CorpusSource:
     def fingerprint(self) -> str:
         """What identifies the corpus content in the cache key (no row is parsed)."""
         if self.kind == "synthetic":
-            from primus_v4.data.synthetic import GENERATOR_VERSION
-
             return f"synthetic:{GENERATOR_VERSION}:rows={self.rows}:seed={self.seed}"
         if self.kind in ("file", "dir"):
             # Content, not path: the same file copied elsewhere shares its cache.
@@ -222,8 +221,6 @@ def _read_hub(source: CorpusSource) -> Iterator[RawRow]:
 def read_rows(source: CorpusSource) -> list[RawRow]:
     """All rows of the source; raises DataError when the source is unreadable or empty."""
     if source.kind == "synthetic":
-        from primus_v4.data.synthetic import synthetic_rows
-
         values = synthetic_rows(rows=source.rows, seed=source.seed)
         rows = [RawRow(where=f"synthetic row {i}", value=v) for i, v in enumerate(values, 1)]
     elif source.kind == "hub":

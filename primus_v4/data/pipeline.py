@@ -20,8 +20,8 @@ import numpy as np
 
 from primus_v4.data import cache, holdout
 from primus_v4.data.corpus import CorpusSource, read_rows, resolve_source
-from primus_v4.data.loader import PackedCorpus
 from primus_v4.data.mixing import SourceSpec, integral, parse_sources, weighted_samples
+from primus_v4.data.packed_corpus import PackedCorpus
 from primus_v4.data.packing import ALGORITHMS, pack, segment_cap
 from primus_v4.data.templates import BAD_EXAMPLES, CHAT_MODES, FORMATS, TEMPLATE_ID, render
 from primus_v4.data.tokenizer import (

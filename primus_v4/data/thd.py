@@ -96,3 +96,24 @@ def to_packed_seq_params(batch: ThdBatch):
         max_seqlen_q=max_len,
         max_seqlen_kv=max_len,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenCounts:
+    """Token counts of one optimizer step (denominators and throughput numbers)."""
+
+    supervised: int
+    """Main-loss denominator: supervised tokens of the whole global batch."""
+    mtp: tuple[int, ...] = ()
+    """Per MTP depth: that depth's supervised tokens of the whole global batch."""
+    real: int = 0
+    """Non-padding tokens."""
+    total: int = 0
+    """All row positions (rows x seq_length)."""
+    samples: int = 0
+    """Samples of the global batch: the MoE balance loss is a mean over them (CP ranks each
+    count the whole pack, matching the replicated balance loss each of them adds)."""
+
+    def as_tensor(self) -> torch.Tensor:
+        values = [self.supervised, *self.mtp, self.real, self.total, self.samples]
+        return torch.tensor(values, dtype=torch.int64)

@@ -1,6 +1,8 @@
-"""Parallel axes from outside the model: rank layout and groups (groups), pipeline stages
-(pipeline: layout strings; pipeline_stage: a stage's modules; pipeline_schedule: 1F1B), expert
-sharding and all-to-all dispatch (expert_parallel), the contiguous pack split and its sequence
-comm (context_parallel), gradient reduction over data-parallel replicas (data_parallel), the
-global gradient norm (grad_norm), and applying them to a built model (parallelize). Tensor
-parallelism is deliberately absent (DESIGN 6)."""
+"""Parallel axes, model-agnostic: rank layout and process groups (groups), pipeline layout
+strings and stage plans (pipeline_layout) and the 1F1B schedule (pipeline_schedule), the
+all-to-all expert dispatcher (expert_parallel), the context-parallel sequence comm and row split
+(context_parallel), gradient buckets of data-parallel replicas (data_parallel) and the global
+gradient norm (grad_norm). How a model is cut along these axes is the model's own
+(models/deepseek_v4/parallelize.py). Tensor parallelism is deliberately absent: the single KV
+latent, the indexer scores and the compressed pools have no head axis worth sharding, so long
+context scales with CP and experts with EP (docs/DESIGN.md)."""

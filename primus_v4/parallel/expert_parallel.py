@@ -12,14 +12,13 @@ each way; its backward is the same exchange with the splits swapped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from primus_v4.errors import ConfigError
-from primus_v4.models.deepseek_v4.moe import combine_experts
 from primus_v4.parallel.groups import Axis
 
 
@@ -55,12 +54,20 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 
 
 class AllToAllDispatcher:
-    """`Dispatcher` for experts sharded over an EP group (see moe.Dispatcher)."""
+    """A model's expert dispatcher for experts sharded over an EP group: routed copies go to the
+    rank owning their expert and come back for `combine(y_RKD, weight_RK)`, the model's own
+    weighted sum over the top-k."""
 
-    def __init__(self, ep: Axis, num_experts: int) -> None:
+    def __init__(
+        self,
+        ep: Axis,
+        num_experts: int,
+        *,
+        combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
         if num_experts % ep.size:
             raise ConfigError(f"num_moe_experts {num_experts} is not divisible by ep {ep.size}")
-        self.ep = ep
+        self.ep, self._combine = ep, combine
         self.num_local = num_experts // ep.size
         self.sent_rows = 0  # routed copies sent by the last dispatch (a test/metrics hook)
 
@@ -92,38 +99,4 @@ class AllToAllDispatcher:
         y_recv = y_MD.index_select(0, _inverse(regroup))
         y_back = all_to_all_rows(y_recv, send_splits, recv_splits, self.ep.group)
         y_RKD = y_back.index_select(0, _inverse(order_M)).view(r, k, y_MD.shape[-1])
-        return combine_experts(y_RKD, weight_RK)
-
-
-def shard_moe(moe: nn.Module, ep: Axis) -> None:
-    """Keep this rank's experts of `moe` (weights [E, ...] -> [L, ...]) and dispatch over `ep`.
-
-    Sharded parameters are tagged `expert_parallel = True`: their gradients are summed over
-    the expert-data-parallel group, not over DP x CP like the replicated ones; `expert_group`
-    (the EP group) lets checkpoints store them as shards of one global [E, ...] tensor.
-    On the meta device the shard is shapes only; `init_weights` later draws its own experts.
-    """
-    if ep.size == 1:
-        return
-    num_experts = moe.num_experts
-    dispatcher = AllToAllDispatcher(ep, num_experts)
-    lo = ep.rank * dispatcher.num_local
-    for name in ("w_gate_up", "w_down"):
-        full = getattr(moe, name)
-        local = nn.Parameter(full.detach()[lo : lo + dispatcher.num_local].clone())
-        local.expert_parallel = True  # type: ignore[attr-defined]
-        # Checkpoints save the shard as rows [lo, lo + L) of the global [E, ...] tensor.
-        local.expert_group = ep.group  # type: ignore[attr-defined]
-        setattr(moe, name, local)
-    moe.expert_offset = lo  # init draws expert i of the shard as global expert lo + i
-    moe.dispatcher = dispatcher
-
-
-def apply_expert_parallel(model: nn.Module, ep: Axis) -> int:
-    """Shard every MoE layer of `model` over `ep`; returns how many layers were sharded."""
-    from primus_v4.models.deepseek_v4.moe import MoE
-
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
-    for moe in layers:
-        shard_moe(moe, ep)
-    return len(layers)
+        return self._combine(y_RKD, weight_RK)

@@ -31,6 +31,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core import parallel_state as ps
 from primus_v4.log import get_logger
+from primus_v4.parallel.pipeline_layout import plan_stages
 
 log = get_logger(__name__)
 
@@ -100,8 +101,6 @@ class ParallelDims:
         mtp_num_layers: int = 0,
     ) -> None:
         """Model-dependent checks: layers per stage and experts per EP rank."""
-        from primus_v4.parallel.pipeline import plan_stages
-
         plan_stages(
             pp=self.pp, num_layers=num_layers, mtp_num_layers=mtp_num_layers, layout=pp_layout
         )

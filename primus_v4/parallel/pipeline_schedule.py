@@ -28,17 +28,17 @@ blocking send/recv of the streams between neighbouring stages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from primus_v4.errors import PrimusError
 from primus_v4.log import get_logger
-from primus_v4.models.deepseek_v4.model import ModelOutput
 from primus_v4.parallel.groups import ParallelContext
-from primus_v4.parallel.pipeline_stage import PipelineStageModel
 
 log = get_logger(__name__)
 
@@ -47,22 +47,31 @@ def _row(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1, -1)
 
 
-def _objective(step_loss: Any, output: tuple[torch.Tensor, ...], samples: torch.Tensor) -> Any:
+OutputFn = Callable[[torch.Tensor, list[torch.Tensor], torch.Tensor], Any]
+"""(main CE sum, MTP CE sums, aux) of one pack -> the model's output object for the loss."""
+
+
+def _objective(
+    step_loss: Any, output_fn: OutputFn, output: tuple[torch.Tensor, ...], samples: torch.Tensor
+) -> Any:
     """The last stage's (main CE sum, MTP CE sums..., aux) of one pack into `step_loss`."""
     loss_sum, *mtp_sums, aux = output
-    out = ModelOutput(loss_sum=loss_sum, mtp_loss_sums=list(mtp_sums), aux_loss=aux)
-    return step_loss.objective(out, samples=samples.reshape(()))
+    return step_loss.objective(
+        output_fn(loss_sum, list(mtp_sums), aux), samples=samples.reshape(())
+    )
 
 
 class PipelineRunner:
     """Runs one step's micro-batches through this rank's stage (forward + backward)."""
 
     def __init__(
-        self, model: PipelineStageModel, ctx: ParallelContext, *, device: torch.device
+        self, model: nn.Module, ctx: ParallelContext, *, device: torch.device, output: OutputFn
     ) -> None:
+        """`model` is this rank's stage module (attributes `is_first`, `is_last`,
+        `mtp_depths`); `output` builds the model's output object from the last stage's sums."""
         if ctx.pp.size < 2:
             raise PrimusError("PipelineRunner needs parallel.pp >= 2")
-        self.model, self.ctx, self.device = model, ctx, device
+        self.model, self.ctx, self.device, self.output_fn = model, ctx, device, output
         self.schedule: Schedule1F1B | ScheduleGPipe | None = None
         # (micro-batches, rows, token-id dtype) the schedule was built for.
         self._shape: tuple[int, int, torch.dtype] | None = None
@@ -104,7 +113,7 @@ class PipelineRunner:
 
     def _loss(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
         # The labels travel as keyword tensors; the target carries this pack's sample count.
-        return _objective(self.step_loss, output, target)
+        return _objective(self.step_loss, self.output_fn, output, target)
 
     def _stack(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Per-pack model inputs ([1, T] rows) -> keyword tensors stacked over micro-batches."""
@@ -181,7 +190,7 @@ class PipelineRunner:
         if not model.is_last:
             dist.send(out.contiguous(), group=pp.group, group_dst=pp.rank + 1)
         elif step_loss is not None:
-            _objective(step_loss, out, kw["aux_samples"])
+            _objective(step_loss, self.output_fn, out, kw["aux_samples"])
 
     def reduce_eval(self, step_loss: Any) -> None:
         """Evaluation sums (last stage only) summed over the pipeline, so every stage reports

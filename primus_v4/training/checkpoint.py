@@ -52,6 +52,10 @@ from torch.distributed.checkpoint.state_dict import (
 from primus_v4.durable import fsync_dir, write_durable
 from primus_v4.errors import PrimusError
 from primus_v4.log import get_logger
+from primus_v4.training import checkpoint_integrity as integrity
+from primus_v4.training.checkpoint_integrity import newest_intact
+from primus_v4.training.zero import ShardedAdamW
+from primus_v4.training.zero_state import load_optimizer_state, optimizer_state
 
 log = get_logger(__name__)
 
@@ -145,8 +149,6 @@ def _train_state(
             model_sd, optim_sd = get_model_state_dict(model, options=_OPTIONS), {}
     _experts_as_dtensors(model, model_sd, optim_sd)
     if optimizer is not None and _is_sharded(optimizer):
-        from primus_v4.training.zero_state import optimizer_state
-
         optim_sd = optimizer_state(optimizer)  # its chunks are DTensors already
     per_rank: dict[str, Any] = {"rng": _rng_state()}
     if data is not None:
@@ -162,8 +164,6 @@ def _train_state(
 
 def _is_sharded(optimizer: Any) -> bool:
     """The trainer's ZeRO-1 optimizer (training.zero): its state is keyed and sharded by us."""
-    from primus_v4.training.zero import ShardedAdamW
-
     return isinstance(optimizer, ShardedAdamW)
 
 
@@ -217,8 +217,6 @@ def save(
 ) -> Path:
     """Save a checkpoint of `step` and publish it; collective over all ranks. Returns its dir.
     `extra_files`: {name: text} written beside the shards by rank 0 (e.g. the run's config)."""
-    from primus_v4.training import checkpoint_integrity as integrity
-
     root = Path(root)
     final, tmp = step_dir(root, step), root / f".tmp_step_{step:08d}"
     start = time.perf_counter()
@@ -284,8 +282,6 @@ def find_latest(root: str | Path) -> Path | None:
 def _agreed_latest(root: str | Path) -> Path | None:
     """The newest complete checkpoint whose checksums match, the same on every rank (rank 0
     lists; damaged ones are reported by file and skipped)."""
-    from primus_v4.training.checkpoint_integrity import newest_intact
-
     return newest_intact(root)
 
 
@@ -331,8 +327,6 @@ def load_latest(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if optimizer is not None and _is_sharded(optimizer):
-            from primus_v4.training.zero_state import load_optimizer_state
-
             set_model_state_dict(model, _local_tensors(state["model"]), options=_OPTIONS)
             load_optimizer_state(optimizer, state["optim"])
         else:

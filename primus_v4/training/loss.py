@@ -17,14 +17,13 @@ from typing import Any
 
 import torch
 
-from primus_v4.data.thd import ThdBatch
+from primus_v4.data.thd import ThdBatch, TokenCounts
+from primus_v4.models.deepseek_v4.mtp import mtp_streams
 
 
 def mtp_loss_mask(batch: ThdBatch, depth: int) -> torch.Tensor:
     """Supervised positions of MTP depth `depth` (1-based), by the model's own shift rule (the
     mask at t+depth inside t's sample; never another sample's token or padding)."""
-    from primus_v4.models.deepseek_v4.mtp import mtp_streams
-
     streams = mtp_streams(
         input_ids_S=batch.input_ids_S,
         cu_seqlens=batch.cu_seqlens_N1,
@@ -35,27 +34,6 @@ def mtp_loss_mask(batch: ThdBatch, depth: int) -> torch.Tensor:
     )
     assert streams.loss_mask is not None
     return streams.loss_mask
-
-
-@dataclass(frozen=True, kw_only=True)
-class TokenCounts:
-    """Token counts of one optimizer step (denominators and throughput numbers)."""
-
-    supervised: int
-    """Main-loss denominator: supervised tokens of the whole global batch."""
-    mtp: tuple[int, ...] = ()
-    """Per MTP depth: that depth's supervised tokens of the whole global batch."""
-    real: int = 0
-    """Non-padding tokens."""
-    total: int = 0
-    """All row positions (rows x seq_length)."""
-    samples: int = 0
-    """Samples of the global batch: the MoE balance loss is a mean over them (CP ranks each
-    count the whole pack, matching the replicated balance loss each of them adds)."""
-
-    def as_tensor(self) -> torch.Tensor:
-        values = [self.supervised, *self.mtp, self.real, self.total, self.samples]
-        return torch.tensor(values, dtype=torch.int64)
 
 
 def count_tokens(batches: Sequence[ThdBatch], *, mtp_depths: int) -> TokenCounts:

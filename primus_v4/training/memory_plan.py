@@ -16,7 +16,7 @@ hidden, ...). That scaling assumes each role's saved tensors grow with its width
 projections and elementwise math; terms that grow with other dimensions (sparse top-k, window)
 are where a Flash-sized plan is least certain. Pipeline stages hold the activations of
 min(micro-batches, pp - stage) micro-batches (1F1B); full recompute keeps each layer's input
-streams plus one layer's activations. The LM head + CE (models/deepseek_v4/loss.py) is counted
+streams plus one layer's activations. The LM head + CE (models/deepseek_v4/linear_ce.py) is counted
 from its code: per CE call it saves d/dh [T, D] and an fp32 d/dW [V, D]; a chunk's fp32 logits
 [C, V] and one [V, D] fp32 product are transient.
 """
@@ -152,7 +152,7 @@ def measure_saved_bytes(cfg: Any, seq: int) -> dict[tuple[str, str], float]:
 def _one_sample(seq: int) -> Any:
     import numpy as np
 
-    from primus_v4.data.loader import layout, to_thd_batch
+    from primus_v4.data.packed_corpus import layout, to_thd_batch
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 500, size=seq)
@@ -317,7 +317,7 @@ def plan_memory(
 ) -> list[MemoryPlan]:
     """One `MemoryPlan` per pipeline stage for the resolved `run` (its world size and layout).
     `supervised_fraction` of a pack's rows reach the LM head (1.0: the worst case)."""
-    from primus_v4.parallel.pipeline import plan_stages
+    from primus_v4.parallel.pipeline_layout import plan_stages
     from primus_v4.training.trainer import build_model
 
     cfg, sizes = run.model, run.sizes

@@ -13,6 +13,8 @@ from typing import IO, Any
 
 import torch
 
+from primus_v4.training.tensorboard import TensorBoardSink
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepMetrics:
@@ -111,8 +113,6 @@ class MetricsWriter:
         self.rows: list[StepMetrics] = []
         self._tensorboard: Any = None
         if tensorboard_dir is not None:  # the same rows as TensorBoard scalars
-            from primus_v4.training.tensorboard import TensorBoardSink
-
             self._tensorboard = TensorBoardSink(tensorboard_dir)
 
     def write(self, metrics: StepMetrics) -> None:

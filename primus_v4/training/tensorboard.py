@@ -3,21 +3,13 @@ same numeric scalars as metrics.jsonl, one point per step, under <output.dir>/te
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from primus_v4.config.preflight import TENSORBOARD_MISSING as MISSING
+from primus_v4.config.preflight import tensorboard_available as available
 from primus_v4.errors import ConfigError
-
-MISSING = (
-    "output.tensorboard: true needs the tensorboard package: pip install 'primus_v4[tensorboard]' "
-    "(or pip install tensorboard), or set output.tensorboard=false"
-)
-
-
-def available() -> bool:
-    return importlib.util.find_spec("tensorboard") is not None
 
 
 class TensorBoardSink:

@@ -9,7 +9,7 @@ optimizer step, one metrics row.
 
 Where the parallel pieces plug in (identities in one process):
   * `init_runtime`   process groups from the launcher env (torchrun: gloo / RCCL).
-  * `_parallelize`   pipeline stage + schedule, expert shards (primus_v4.parallel.parallelize).
+  * `_parallelize`   pipeline stage + schedule, expert shards (models/deepseek_v4/parallelize.py).
   * `_model_inputs`  CP slicing of the pack (rows, global cu_seqlens, MTP streams).
   * `Runtime.ctx`     the rank's ParallelContext: token-count and gradient reductions.
   * `_checkpoints`   save / resume (primus_v4.training.checkpoint).
@@ -31,10 +31,16 @@ import torch
 from torch import nn
 
 from primus_v4.config import ResolvedRun, write_resolved
+from primus_v4.config.resolve import train_steps
+from primus_v4.data.pipeline import build_or_load
 from primus_v4.data.thd import ThdBatch, to_packed_seq_params
 from primus_v4.errors import PrimusError
 from primus_v4.log import get_logger
+from primus_v4.models import model_spec
+from primus_v4.pretrained.load import rank_loader
 from primus_v4.training.batches import BatchSource, Corpus
+from primus_v4.training.checkpoint import find_latest
+from primus_v4.training.evaluation import Evaluator
 from primus_v4.training.loss import StepLoss, count_tokens, reduce_counts
 from primus_v4.training.metrics import (
     MetricsWriter,
@@ -46,16 +52,15 @@ from primus_v4.training.metrics import (
 )
 from primus_v4.training.metrics_history import keep_rows_through, read_history
 from primus_v4.training.preemption import stop_on_signals
-from primus_v4.training.router_bias import RouterBiasUpdate
+from primus_v4.training.run_checkpoints import RunCheckpoints
 from primus_v4.training.runtime import Runtime, init_runtime
+from primus_v4.training.zero import build_sharded_optimizer
 
 log = get_logger(__name__)
 
 
 def build_corpus(run: ResolvedRun) -> Corpus:
     """Pack the corpus through the node-local cache (or load the cached packs)."""
-    from primus_v4.data.pipeline import build_or_load
-
     corpus = build_or_load(run.data)
     log.info("corpus: %s", {k: corpus.stats[k] for k in list(corpus.stats)[:13]})
     return corpus
@@ -65,11 +70,9 @@ def build_model(run: ResolvedRun) -> nn.Module:
     """The whole model on the meta device: shapes only, nothing allocated or drawn. The rank
     keeps its stage and expert shard and materializes only those under `train.seed`
     (`Trainer._parallelize`; same seed -> same weights in every layout)."""
-    from primus_v4.models.deepseek_v4 import DeepseekV4Model
-
     torch.manual_seed(run.cfg.train.seed)  # the run's RNG state; weights draw from their own
     with torch.device("meta"):
-        model = DeepseekV4Model(run.model)
+        model = model_spec().build(run.model)
     dtype = torch.bfloat16 if run.cfg.model.dtype == "bfloat16" else torch.float32
     return model.to(dtype=dtype)
 
@@ -80,8 +83,6 @@ def build_optimizer(
     """AdamW on fp32 master weights, state sharded over each parameter's data-parallel replicas
     (primus_v4.training.zero), with linear warmup then cosine decay to min_lr over
     `total_steps` (default train.steps)."""
-    from primus_v4.training.zero import build_sharded_optimizer
-
     return build_sharded_optimizer(run, model, ctx, total_steps=total_steps)
 
 
@@ -152,10 +153,8 @@ class Trainer:
             run, self.model, self.runtime.ctx, self.total_steps
         )
         self._seed_masters()
-        self.router_bias = RouterBiasUpdate(
-            [self.model],
-            rate=self.cfg.model.router_bias_update_rate,
-            group=self.runtime.ctx.dp_cp_group,
+        self.step_hooks = model_spec().step_hooks(
+            [self.model], self.cfg.model, group=self.runtime.ctx.dp_cp_group
         )
         self.mtp_depths = int(run.model.mtp_num_layers or 0)
         self.cp = self._context_parallel()
@@ -170,9 +169,6 @@ class Trainer:
         """Held-out loss (primus_v4.training.evaluation); None without evaluation data."""
         if corpus is None and self.run.eval_data is None:
             return None
-        from primus_v4.data.pipeline import build_or_load
-        from primus_v4.training.evaluation import Evaluator
-
         corpus = corpus if corpus is not None else build_or_load(self.run.eval_data)
         return Evaluator(
             corpus,
@@ -183,8 +179,6 @@ class Trainer:
 
     def _total_steps(self) -> int:
         """train.steps, or the steps that train.epochs passes over this corpus take (logged)."""
-        from primus_v4.config.resolve import train_steps
-
         steps = train_steps(self.cfg, self.source.rows_per_epoch)
         if self.cfg.train.epochs is not None:
             log.info(
@@ -198,12 +192,11 @@ class Trainer:
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         """This rank's pipeline stage with its expert shards (one process: unchanged)."""
-        from primus_v4.parallel.parallelize import is_meta, parallelize
-
+        spec = model_spec()
         weights = self._pretrained_weights()
         # Random init: the weights are drawn from train.seed while materializing.
-        self._drawn = weights is None and is_meta(model)
-        done = parallelize(
+        self._drawn = weights is None and spec.is_meta(model)
+        done = spec.parallelize(
             model,
             self.runtime.ctx,
             pp_layout=self.cfg.parallel.pp_layout,
@@ -231,14 +224,10 @@ class Trainer:
         directory, ck = self.cfg.model.pretrained, self.cfg.checkpoint
         if directory is None:
             return None
-        from primus_v4.training.checkpoint import find_latest
-
         latest = find_latest(ck.dir) if ck.dir is not None and ck.resume else None
         if latest is not None:
             log.info("resuming %s: it takes precedence over model.pretrained=%s", latest, directory)
             return None
-        from primus_v4.training.pretrained_load import rank_loader
-
         show = self.runtime.is_main and self.cfg.output.progress_bar
         return rank_loader(directory, progress=show)
 
@@ -246,9 +235,7 @@ class Trainer:
         """CP > 1: the splitter that gives this rank its contiguous rows of every pack."""
         if self.runtime.ctx.cp.size == 1:
             return None
-        from primus_v4.parallel.context_parallel import CpSplitter
-
-        return CpSplitter(
+        return model_spec().cp_splitter(
             self.runtime.ctx.cp,
             self.run.model,
             packed=self.cfg.packed,
@@ -323,7 +310,8 @@ class Trainer:
         elif self.cfg.train.nan_policy == "skip":
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
-        self.router_bias.step(apply=finite)
+        for hook in self.step_hooks:
+            hook.step(apply=finite)
         c = step_loss.counts
         return make_step_metrics(
             step=step + 1,
@@ -338,8 +326,6 @@ class Trainer:
         """Interval saves, keep_last and resume rules (None when checkpoint.dir is unset)."""
         if self.cfg.checkpoint.dir is None:
             return None
-        from primus_v4.training.run_checkpoints import RunCheckpoints
-
         return RunCheckpoints(self.cfg, world=self.run.sizes.world)
 
     def _state(self) -> dict[str, Any]:

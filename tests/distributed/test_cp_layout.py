@@ -13,15 +13,15 @@ from primus_v4.data.thd import ThdBatch, segment_starts
 from primus_v4.errors import ConfigError
 from primus_v4.models.deepseek_v4.compressor import boundary_rows, build_window_plan
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
-from primus_v4.models.deepseek_v4.layout import LocalComm, RowLayout
-from primus_v4.models.deepseek_v4.mtp import IGNORE_LABEL, mtp_streams
-from primus_v4.parallel.context_parallel import (
+from primus_v4.models.deepseek_v4.cp_batch import (
     CpShard,
     required_local_rows,
     shard_batch,
     shard_token_counts,
-    split_rows,
 )
+from primus_v4.models.deepseek_v4.layout import LocalComm, RowLayout
+from primus_v4.models.deepseek_v4.mtp import IGNORE_LABEL, mtp_streams
+from primus_v4.parallel.context_parallel import split_rows
 from primus_v4.training.loss import count_tokens
 
 

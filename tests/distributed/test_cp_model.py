@@ -24,13 +24,13 @@ from test_cp_layout import _pack
 
 from primus_v4.models.deepseek_v4 import DeepseekV4Model
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
-from primus_v4.models.deepseek_v4.layout import LocalComm
-from primus_v4.parallel.context_parallel import (
-    CpComm,
+from primus_v4.models.deepseek_v4.cp_batch import (
     required_local_rows,
     shard_batch,
     shard_token_counts,
 )
+from primus_v4.models.deepseek_v4.layout import LocalComm
+from primus_v4.parallel.context_parallel import CpComm
 
 # A small vocabulary keeps the LM head (3 heads x S x V) from dominating the test time; every
 # layer kind of the tiny preset stays. A larger init std makes attention far from uniform so a

@@ -19,8 +19,8 @@ from train_fakes import RAGGED_PACKS, TEST_VOCAB, FakeCorpus
 
 from primus_v4.data.thd import to_packed_seq_params
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
+from primus_v4.models.deepseek_v4.parallelize import apply_expert_parallel
 from primus_v4.parallel.data_parallel import sum_gradients
-from primus_v4.parallel.expert_parallel import apply_expert_parallel
 from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
 from primus_v4.training.checkpoint import CheckpointManager
 from primus_v4.training.optim import build_optimizer

@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"
 from train_fakes import TEST_VOCAB
 
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
+from primus_v4.models.deepseek_v4.parallelize import parallelize
 from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
-from primus_v4.parallel.parallelize import parallelize
 
 SEED = 7
 

@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"
 from train_fakes import RAGGED_PACKS, TEST_VOCAB, FakeCorpus
 
 from primus_v4.data.thd import to_packed_seq_params
-from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
+from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model, ModelOutput
+from primus_v4.models.deepseek_v4.pipeline_stage import build_stage
 from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
-from primus_v4.parallel.pipeline import parse_pp_layout, plan_stages
+from primus_v4.parallel.pipeline_layout import parse_pp_layout, plan_stages
 from primus_v4.parallel.pipeline_schedule import PipelineRunner
-from primus_v4.parallel.pipeline_stage import build_stage
 from primus_v4.training.loss import StepLoss, count_tokens
 
 TOL = 1e-5  # float32: the stages run the same ops in the same order; only the CE/aux sums move
@@ -76,7 +76,7 @@ def _pipeline(rank: int, world: int, layout: str | None, packs: int) -> tuple[di
     full, rows = _model(), _rows(packs)
     spec = plan_stages(pp=world, num_layers=3, mtp_num_layers=1, layout=layout)[ctx.pp.rank]
     stage = build_stage(full, spec)
-    runner = PipelineRunner(stage, ctx, device=torch.device("cpu"))
+    runner = PipelineRunner(stage, ctx, device=torch.device("cpu"), output=ModelOutput.from_sums)
     step_loss = _step_loss(rows, 1)
     runner.run([_inputs(r) for r in rows], step_loss, samples=[r.num_samples for r in rows])
     reported = step_loss.reported()

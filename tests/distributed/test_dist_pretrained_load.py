@@ -20,13 +20,12 @@ from harness import run_ranks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "models"))
 from release_checkpoint import random_release_tensors, release_config
 
-from primus_v4.models.deepseek_v4 import release
-from primus_v4.models.deepseek_v4.pretrained import load_release, read_config
-from primus_v4.models.deepseek_v4.release_io import ReleaseReader, write_release
+from primus_v4.checkpoint_formats.sharded import CheckpointReader, write_checkpoint
+from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
+from primus_v4.models.deepseek_v4.parallelize import parallelize
 from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
-from primus_v4.parallel.parallelize import parallelize
-from primus_v4.parallel.pipeline import plan_stages
-from primus_v4.training.pretrained_load import load_rank_weights
+from primus_v4.parallel.pipeline_layout import plan_stages
+from primus_v4.pretrained.load import load_pretrained, load_rank_weights, read_config
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +36,10 @@ def fp8_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # release (Flash: ~95% of the checkpoint) and each rank's share is near a quarter
     config = {**release_config("a"), "n_routed_experts": 32, "moe_intermediate_size": 64}
     tensors = random_release_tensors(config, seed=11)
-    cfg = release.config_from_release(config)
-    kinds = {r.name: r.kind for r in release.release_tensors(cfg).values()}
+    cfg = adapter.config_from_release(config)
+    kinds = {r.name: r.kind for r in adapter.release_tensors(cfg).values()}
     out = tmp_path_factory.mktemp("release") / "fp8"
-    write_release(out, tensors.items(), kinds, config, dtype="fp8", max_shard_bytes=64 * 1024)
+    write_checkpoint(out, tensors.items(), kinds, config, dtype="fp8", max_shard_bytes=64 * 1024)
     return out
 
 
@@ -101,12 +100,12 @@ def loaded(fp8_release: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
 
 def test_pp2_ep2_ranks_load_exactly_their_slice(fp8_release: Path, loaded) -> None:
     ranks = loaded[0]
-    ref = load_release(fp8_release, dtype=torch.float32, progress=False).state_dict()
+    ref = load_pretrained(fp8_release, dtype=torch.float32, progress=False).state_dict()
     cfg = read_config(fp8_release)
     specs = plan_stages(pp=2, num_layers=cfg.num_layers, mtp_num_layers=cfg.mtp_num_layers or 0,
                         layout=None)  # fmt: skip
     local = cfg.num_moe_experts // 2
-    with ReleaseReader(fp8_release) as reader:
+    with CheckpointReader(fp8_release) as reader:
         names = reader.names()
         nbytes = {n: reader.nbytes(n) for n in names}
     seen: set[str] = set()
@@ -144,14 +143,14 @@ def test_export_of_the_pp2_ep2_checkpoint_is_the_release_again(
     the release tensors the model was loaded from: bf16 values of the dequantized weights for
     the fp8 / fp4 / bf16 kinds, exact for fp32 and int64."""
     from primus_v4.config import load_config, write_resolved
-    from primus_v4.training.export import export_checkpoint, find_source
+    from primus_v4.training.export_run import export_checkpoint, find_source
 
     root = loaded[1]
     run = load_config(overrides=["model.preset=null", f"model.pretrained={fp8_release}"])
     write_resolved(run, root)
     summary = export_checkpoint(find_source(root), tmp_path / "out", max_shard_bytes=256 * 1024)
     assert summary.shards > 1
-    with ReleaseReader(tmp_path / "out") as got, ReleaseReader(fp8_release) as src:
+    with CheckpointReader(tmp_path / "out") as got, CheckpointReader(fp8_release) as src:
         assert got.names() == src.names()
         for name in src.names():
             want = src.read(name, torch.float32 if src.storage(name) != "int64" else None)

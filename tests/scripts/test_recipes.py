@@ -133,7 +133,7 @@ def test_pretrained_checkpoint_replaces_the_preset(tmp_path):
     import json
 
     from primus_v4.models.deepseek_v4 import DeepseekV4Config
-    from primus_v4.models.deepseek_v4.release import config_to_release
+    from primus_v4.models.deepseek_v4.state_dict_adapter import config_to_release
 
     flash = tmp_path / "DeepSeek-V4-Flash"
     flash.mkdir()  # config.json is all validation reads; weights are read at the real start

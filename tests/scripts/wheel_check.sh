@@ -16,7 +16,7 @@ wheel="$(ls "${work}"/dist/primus_v4-*.whl)"
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 need = ["primus_v4/configs/models/deepseek_v4_flash.yaml", "primus_v4/configs/runs/tiny_cpu_thd.yaml",
-        "primus_v4/models/deepseek_v4/quant_bf16.c"]
+        "primus_v4/checkpoint_formats/quant_bf16.c"]
 missing = [n for n in need if n not in names]
 sys.exit(f"wheel lacks {missing}" if missing else 0)
 PY
@@ -34,6 +34,6 @@ test "$(wc -l < "${work}/out/metrics.jsonl")" -eq 2
 # where a C compiler is at hand, the installed package builds its native quantizer
 if command -v "${CC:-cc}" >/dev/null; then
   PRIMUS_V4_CACHE_DIR="${work}/cache" "${work}/venv/bin/python" -c \
-    "from primus_v4.models.deepseek_v4 import release_native as n; assert n.library(), 'no build'"
+    "from primus_v4.checkpoint_formats import native_quant as n; assert n.library(), 'no build'"
 fi
 echo "wheel check: ok ($(basename "${wheel}"))"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from primus_v4.models.deepseek_v4.attention import Attention
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.hyper_connection import HyperMixer
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
@@ -41,8 +42,6 @@ class Block(nn.Module):
         dispatcher: Dispatcher | None = None,
     ) -> None:
         super().__init__()
-        from primus_v4.models.deepseek_v4.attention import Attention
-
         self.layer_idx = layer_idx
         self.compress_ratio = compress_ratio
         self.attn_mix = _mixer(cfg)

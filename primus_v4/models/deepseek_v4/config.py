@@ -149,14 +149,6 @@ class DeepseekV4Config(TransformerConfig):
         return LAYER_KINDS[self.compress_ratios[layer]]
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **overrides) -> DeepseekV4Config:
-        """The config of a released checkpoint: `path` is its directory (or its config.json);
-        keyword overrides set our own training fields (see release_config.py)."""
-        from primus_v4.models.deepseek_v4.pretrained import read_config
-
-        return read_config(path, **overrides)
-
-    @classmethod
     def preset(cls, name: str, **overrides) -> DeepseekV4Config:
         """Load `primus_v4/configs/models/<name>.yaml`; keyword overrides win over the file."""
         import yaml

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primus_v4.models.deepseek_v4.mixing import mix, weighted_sum
+from primus_v4.models.deepseek_v4.stream_sums import mix, weighted_sum
 
 
 def _sinkhorn(logits_TKK: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -20,12 +20,12 @@ from torch import nn
 from primus_v4.models.deepseek_v4.block import Block, run_block
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.hyper_connection import HyperHead, lift_streams
-from primus_v4.models.deepseek_v4.init import drawn_values, init_buffers, init_parameters
 from primus_v4.models.deepseek_v4.layout import LocalComm, RowLayout, SeqComm
-from primus_v4.models.deepseek_v4.loss import chunked_linear_ce
+from primus_v4.models.deepseek_v4.linear_ce import chunked_linear_ce
 from primus_v4.models.deepseek_v4.moe import Dispatcher, RoutingInputs
 from primus_v4.models.deepseek_v4.mtp import IGNORE_LABEL, MTPDepth, MtpStreams, mtp_streams
 from primus_v4.models.deepseek_v4.norm import RMSNorm
+from primus_v4.models.deepseek_v4.weight_init import drawn_values, init_buffers, init_parameters
 
 
 @dataclass(kw_only=True)
@@ -52,6 +52,13 @@ class ModelOutput:
     mtp_loss_sums: list[torch.Tensor] = field(default_factory=list)
     mtp_num_tokens: list[torch.Tensor] = field(default_factory=list)
     aux_loss: torch.Tensor | None = None
+
+    @classmethod
+    def from_sums(
+        cls, loss_sum: torch.Tensor, mtp_loss_sums: list[torch.Tensor], aux_loss: torch.Tensor
+    ) -> ModelOutput:
+        """The output a pipeline's last stage reports: the loss sums only."""
+        return cls(loss_sum=loss_sum, mtp_loss_sums=list(mtp_loss_sums), aux_loss=aux_loss)
 
 
 def _row(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
@@ -109,34 +116,11 @@ class DeepseekV4Model(nn.Module):
         if not self.embedding.weight.is_meta:
             self.init_weights(seed)
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        progress: bool = True,
-        **model_kwargs,
-    ) -> DeepseekV4Model:
-        """The model of a released checkpoint directory (config.json + safetensors shards),
-        every parameter and persistent buffer loaded, FP8/FP4 dequantized into `dtype`."""
-        from primus_v4.models.deepseek_v4.pretrained import load_release
-
-        return load_release(path, dtype=dtype, device=device, progress=progress, **model_kwargs)
-
-    def save_pretrained(self, out: str, *, dtype: str = "bfloat16", **kwargs):
-        """Write this (whole) model in the release layout: `dtype` "bfloat16" or "fp8" (the
-        release's FP8 linears + FP4 experts); returns release_io's WriteSummary."""
-        from primus_v4.models.deepseek_v4.pretrained import save_release
-
-        return save_release(self, out, dtype=dtype, **kwargs)
-
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """The one place weights are initialized (also of a stage or an expert shard): each
         parameter N(0, init_method_std) from a generator of (seed, its name), or its constant
-        (norm scales 1, mHC biases 0, ...; see `init.py`); then the config-derived buffers.
+        (norm scales 1, mHC biases 0, ...; see `weight_init.py`); then the config-derived buffers.
 
         seed None: `torch.initial_seed()`, i.e. the seed of the last `torch.manual_seed`."""
         seed = torch.initial_seed() if seed is None else seed
@@ -145,8 +129,8 @@ class DeepseekV4Model(nn.Module):
 
     def initial_values(self, seed: int) -> Iterator[tuple[nn.Parameter, int, torch.Tensor]]:
         """The float32 draws `init_weights(seed)` rounds into non-float32 parameters, as
-        (parameter, flat offset, values) pieces (`init.drawn_values`): what fp32 master weights
-        of a random-init run start from."""
+        (parameter, flat offset, values) pieces (`weight_init.drawn_values`): what fp32 master
+        weights of a random-init run start from."""
         return drawn_values(self, seed=seed, std=self.cfg.init_method_std)
 
     def forward(

@@ -19,7 +19,7 @@ from primus_v4.kernels.grouped_experts import clamped_swiglu
 from primus_v4.kernels.registry import resolve
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.layout import RowLayout
-from primus_v4.models.deepseek_v4.mixing import EXACT, weighted_sum
+from primus_v4.models.deepseek_v4.stream_sums import EXACT, weighted_sum
 
 
 @dataclass(frozen=True, kw_only=True)

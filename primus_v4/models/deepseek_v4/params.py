@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
+from primus_v4.models.deepseek_v4.model import DeepseekV4Model
 
 COMPONENTS = (
     "embedding",
@@ -46,8 +47,6 @@ def component_of(name: str) -> str:
 def param_counts(cfg: DeepseekV4Config) -> dict[str, int]:
     """Parameters per component plus `total` and `active_per_token` (top-k of the routed experts
     in every layer incl. MTP; everything else counts fully). Built on the meta device."""
-    from primus_v4.models.deepseek_v4.model import DeepseekV4Model
-
     with torch.device("meta"):
         model = DeepseekV4Model(cfg)
     counts = dict.fromkeys(COMPONENTS, 0)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from primus_v4.data.loader import PackedCorpus
+from primus_v4.data.packed_corpus import PackedCorpus
 from primus_v4.data.pipeline import PackSpec, build_or_load
 from primus_v4.data.tokenizer import TextTokenizer, load_tokenizer, resolve_tokenizer_dir
 

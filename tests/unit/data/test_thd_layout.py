@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from primus_v4.data.loader import IGNORE_LABEL, PackedCorpus
+from primus_v4.data.packed_corpus import IGNORE_LABEL, PackedCorpus
 from primus_v4.data.packing import segment_cap
 from primus_v4.data.thd import IGNORE_LABEL as THD_IGNORE_LABEL
 from primus_v4.data.thd import ThdBatch

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from primus_v4.models.deepseek_v4.release import config_from_release, release_tensors
+from primus_v4.models.deepseek_v4.state_dict_adapter import config_from_release, release_tensors
 
 _ROPE = {
     "type": "yarn",

@@ -18,8 +18,8 @@ from primus_v4.kernels.indexer_topk import indexer_topk_torch
 from primus_v4.models.deepseek_v4 import DeepseekV4Config
 from primus_v4.models.deepseek_v4.hyper_connection import HyperMixer
 from primus_v4.models.deepseek_v4.layout import RowLayout
-from primus_v4.models.deepseek_v4.mixing import mix
 from primus_v4.models.deepseek_v4.moe import MoE, RoutingInputs, combine_experts
+from primus_v4.models.deepseek_v4.stream_sums import mix
 
 BF16 = torch.bfloat16
 

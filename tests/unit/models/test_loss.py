@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus_v4.models.deepseek_v4.loss import chunked_linear_ce, full_linear_ce
+from primus_v4.models.deepseek_v4.linear_ce import chunked_linear_ce, full_linear_ce
 
 
 def _inputs(t: int = 37, d: int = 16, v: int = 50):

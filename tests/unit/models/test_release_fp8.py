@@ -1,7 +1,7 @@
 """FP8 + FP4 checkpoints end to end: an fp8 export stores the release's layout, reloads within
 the stated quantization bounds, and a quantized checkpoint loads and runs.
 
-Stated error of an fp8 export (release_quant.py), per element w of a tensor:
+Stated error of an fp8 export (checkpoint_formats/fp8_fp4.py), per element w of a tensor:
   fp8 kind (e4m3, 128x128 ue8m0 blocks)   |w' - w| <= 2^-4 |w| + 2^-10 scale, scale <= amax/224
   fp4 kind (e2m1, ue8m0 per 32 inputs)     |w' - w| <= |w| / 4 + scale / 4,   scale <= amax/3
   bf16 kind                                 bf16 rounding: |w' - w| <= 2^-8 |w|
@@ -20,9 +20,10 @@ import torch
 from release_checkpoint import random_release_tensors, release_config, write_checkpoint
 from test_release_quant import decode_e2m1, decode_e4m3, decode_e8m0
 
-from primus_v4.models.deepseek_v4 import DeepseekV4Model, release
-from primus_v4.models.deepseek_v4.release_io import ReleaseReader
-from primus_v4.models.deepseek_v4.release_quant import fp4_error_bound, fp8_error_bound
+from primus_v4.checkpoint_formats.fp8_fp4 import fp4_error_bound, fp8_error_bound
+from primus_v4.checkpoint_formats.sharded import CheckpointReader
+from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
+from primus_v4.pretrained import load_pretrained, save_pretrained
 
 
 @pytest.fixture(scope="module", params=["a"])
@@ -31,10 +32,10 @@ def exported(request, tmp_path_factory: pytest.TempPathFactory) -> dict:
     tensors = random_release_tensors(config, seed=5)
     root = tmp_path_factory.mktemp(f"fp8_{request.param}")
     src = write_checkpoint(root / "src", config, tensors)
-    model = DeepseekV4Model.from_pretrained(src, dtype=torch.float32, progress=False)
-    model.save_pretrained(root / "fp8", dtype="fp8", progress=False)
-    cfg = release.config_from_release(config)
-    kinds = {n: r.kind for n, r in release.release_tensors(cfg).items()}
+    model = load_pretrained(src, dtype=torch.float32, progress=False)
+    save_pretrained(model, root / "fp8", dtype="fp8", progress=False)
+    cfg = adapter.config_from_release(config)
+    kinds = {n: r.kind for n, r in adapter.release_tensors(cfg).items()}
     return {"config": config, "tensors": tensors, "out": root / "fp8", "kinds": kinds}
 
 
@@ -46,7 +47,7 @@ def test_fp8_export_stores_the_release_layout(exported: dict) -> None:
     }  # fmt: skip
     stored = {"fp8": torch.float8_e4m3fn, "fp4": torch.int8, "bf16": torch.bfloat16,
               "fp32": torch.float32, "int64": torch.int64}  # fmt: skip
-    with ReleaseReader(exported["out"]) as reader:
+    with CheckpointReader(exported["out"]) as reader:
         assert set(reader.names()) == set(exported["tensors"])
         for name, kind in exported["kinds"].items():
             assert reader.dtype(name) == stored[kind], name
@@ -55,7 +56,7 @@ def test_fp8_export_stores_the_release_layout(exported: dict) -> None:
 
 
 def test_fp8_export_reloads_within_the_stated_bounds(exported: dict) -> None:
-    with ReleaseReader(exported["out"]) as reader:
+    with CheckpointReader(exported["out"]) as reader:
         for name, w in exported["tensors"].items():
             kind = exported["kinds"][name]
             back = reader.read(name, torch.float32 if kind != "int64" else None)
@@ -108,11 +109,11 @@ def test_quantized_checkpoint_loads_and_runs(exported: dict, tmp_path: Path) -> 
     weights bit for bit, so the same logits). The distance to the unquantized model's logits is
     not asserted: on random tiny weights the bounded weight error flips discrete choices (router
     top-k, indexer top-k), so it is not small; the per-tensor bounds above are the contract."""
-    quantized = DeepseekV4Model.from_pretrained(exported["out"], dtype=torch.float32,
+    quantized = load_pretrained(exported["out"], dtype=torch.float32,
                                                 progress=False).eval()  # fmt: skip
     plain = write_checkpoint(tmp_path / "deq", exported["config"],
                              _independent_dequant(exported["out"]))  # fmt: skip
-    reference = DeepseekV4Model.from_pretrained(plain, dtype=torch.float32, progress=False).eval()
+    reference = load_pretrained(plain, dtype=torch.float32, progress=False).eval()
     ids = torch.randint(2, exported["config"]["vocab_size"], (1, 200),
                         generator=torch.Generator().manual_seed(3))  # fmt: skip
     got = quantized(ids).logits
@@ -123,8 +124,8 @@ def test_quantized_checkpoint_loads_and_runs(exported: dict, tmp_path: Path) -> 
 def test_fp8_export_of_a_geometry_fp4_cannot_hold_names_the_tensor(tmp_path: Path) -> None:
     config = release_config("b")  # hidden 48: w1 has 48 inputs, FP4 needs multiples of 32
     src = write_checkpoint(tmp_path / "src", config, random_release_tensors(config, seed=1))
-    model = DeepseekV4Model.from_pretrained(src, dtype=torch.float32, progress=False)
+    model = load_pretrained(src, dtype=torch.float32, progress=False)
     named = r"'layers\.0\.ffn\.experts\.0\.w1\.weight' \[\d+, 48\]: FP4 needs"
     with pytest.raises(ValueError, match=named):
-        model.save_pretrained(tmp_path / "out", dtype="fp8", progress=False)
+        save_pretrained(model, tmp_path / "out", dtype="fp8", progress=False)
     assert not (tmp_path / "out").exists()

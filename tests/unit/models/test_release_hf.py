@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from release_checkpoint import make_checkpoint, write_checkpoint
 
-from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
+from primus_v4.pretrained import load_pretrained, read_config, save_pretrained
 
 transformers = pytest.importorskip("transformers", minversion="5.23")
 hf_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
@@ -47,7 +47,7 @@ def load_hf(path: Path):
 def case(request, tmp_path_factory):
     geometry, seed = request.param
     path, config, tensors = make_checkpoint(tmp_path_factory.mktemp("ckpt"), geometry, seed)
-    ours = DeepseekV4Model.from_pretrained(path, dtype=torch.float32, progress=False).eval()
+    ours = load_pretrained(path, dtype=torch.float32, progress=False).eval()
     gen = torch.Generator().manual_seed(seed + 100)
     ids = torch.randint(2, config["vocab_size"], (sum(LENGTHS),), generator=gen)
     return dict(path=path, config=config, tensors=tensors, ours=ours, hf=load_hf(path), ids=ids)
@@ -143,8 +143,8 @@ def test_bf16_export_loads_in_hf_and_reloads_bit_identically(case, tmp_path) -> 
     """Weights rounded to bf16 first (fp32-kind tensors stay fp32), so the bf16 export loses
     nothing: HF's logits from the export equal ours, and our reload equals the model exactly."""
     src = write_checkpoint(tmp_path / "src", case["config"], _bf16_representable(case["tensors"]))
-    ours = DeepseekV4Model.from_pretrained(src, dtype=torch.float32, progress=False).eval()
-    summary = ours.save_pretrained(tmp_path / "out", dtype="bfloat16", progress=False)
+    ours = load_pretrained(src, dtype=torch.float32, progress=False).eval()
+    summary = save_pretrained(ours, tmp_path / "out", dtype="bfloat16", progress=False)
     assert summary.tensors == len(case["tensors"])
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in written
@@ -152,7 +152,7 @@ def test_bf16_export_loads_in_hf_and_reloads_bit_identically(case, tmp_path) -> 
     ids = case["ids"][:300][None]
     want = load_hf(tmp_path / "out")(input_ids=ids).logits
     assert rel_err(ours(ids).logits, want) <= REL_TOL
-    again = DeepseekV4Model.from_pretrained(tmp_path / "out", dtype=torch.float32, progress=False)
+    again = load_pretrained(tmp_path / "out", dtype=torch.float32, progress=False)
     before, after = ours.state_dict(), again.state_dict()
     assert before.keys() == after.keys()
     for k in before:
@@ -167,10 +167,10 @@ def test_fp8_export_loads_in_hf_like_in_ours(case, tmp_path) -> None:
     pytest.importorskip("accelerate")  # HF's FP8 loader needs it (the test extra has it)
     if case["config"]["hidden_size"] % 32:  # FP4 packs 32 inputs per scale: refused, by name
         with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight.* multiple of 32"):
-            case["ours"].save_pretrained(tmp_path / "fp8", dtype="fp8", progress=False)
+            save_pretrained(case["ours"], tmp_path / "fp8", dtype="fp8", progress=False)
         return
-    case["ours"].save_pretrained(tmp_path / "fp8", dtype="fp8", progress=False)
-    back = DeepseekV4Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32, progress=False)
+    save_pretrained(case["ours"], tmp_path / "fp8", dtype="fp8", progress=False)
+    back = load_pretrained(tmp_path / "fp8", dtype=torch.float32, progress=False)
     ids = case["ids"][:300][None]
     want = load_hf(tmp_path / "fp8")(input_ids=ids).logits
     err = rel_err(back.eval()(ids).logits, want)
@@ -181,11 +181,14 @@ def test_fp8_export_loads_in_hf_like_in_ours(case, tmp_path) -> None:
 
 
 def test_config_json_round_trip(case) -> None:
-    cfg = DeepseekV4Config.from_pretrained(case["path"])
+    cfg = read_config(case["path"])
     assert cfg.num_layers == case["config"]["num_hidden_layers"]
     assert [*cfg.compress_ratios, cfg.mtp_compress_ratio] == case["config"]["compress_ratios"]
     assert cfg.compress_rope_theta == 160000.0 and cfg.rotary_scaling_factor == 16.0
-    from primus_v4.models.deepseek_v4.release import config_from_release, config_to_release
+    from primus_v4.models.deepseek_v4.state_dict_adapter import (
+        config_from_release,
+        config_to_release,
+    )
 
     again = config_from_release(config_to_release(cfg))
     for f in ("hidden_size", "num_hash_layers", "index_topk", "hc_mult", "attn_sliding_window"):
@@ -201,7 +204,7 @@ def test_a_transformers_saved_checkpoint_reads_as_the_release(case, tmp_path) ->
     case["hf"].save_pretrained(tmp_path / "hf")
     saved = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert {"layer_types", "rope_parameters"} <= set(saved) and "compress_ratios" not in saved
-    ours = DeepseekV4Model.from_pretrained(tmp_path / "hf", dtype=torch.float32, progress=False)
+    ours = load_pretrained(tmp_path / "hf", dtype=torch.float32, progress=False)
     assert ours.cfg.mtp_num_layers == 0
     ref = case["ours"].state_dict()
     state = ours.state_dict()

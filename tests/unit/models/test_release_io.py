@@ -9,17 +9,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from primus_v4.models.deepseek_v4.release_io import (
-    INDEX_FILE,
-    ReleaseFormatError,
-    ReleaseReader,
-    write_release,
-)
-from primus_v4.models.deepseek_v4.release_quant import (
+from primus_v4.checkpoint_formats.fp8_fp4 import (
     dequantize_fp4,
     dequantize_fp8,
     quantize_fp4,
     quantize_fp8,
+)
+from primus_v4.checkpoint_formats.sharded import (
+    INDEX_FILE,
+    CheckpointFormatError,
+    CheckpointReader,
+    write_checkpoint,
 )
 
 KINDS = {
@@ -47,7 +47,7 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 def test_bf16_export_reads_back_bit_identical_in_bounded_shards(tmp_path: Path) -> None:
     tensors = _tensors()
     out = tmp_path / "bf16"
-    summary = write_release(out, tensors.items(), KINDS, {"model_type": "deepseek_v4"},
+    summary = write_checkpoint(out, tensors.items(), KINDS, {"model_type": "deepseek_v4"},
                             max_shard_bytes=60_000)  # fmt: skip
     index = json.loads((out / INDEX_FILE).read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -57,7 +57,7 @@ def test_bf16_export_reads_back_bit_identical_in_bounded_shards(tmp_path: Path) 
         assert (out / shard).stat().st_size < 60_000 + 4096
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "deepseek_v4"
-    with ReleaseReader(out) as reader:
+    with CheckpointReader(out) as reader:
         assert reader.names() == sorted(tensors)
         for name, t in tensors.items():
             kind = KINDS[name]
@@ -72,12 +72,12 @@ def test_bf16_export_reads_back_bit_identical_in_bounded_shards(tmp_path: Path) 
 def test_fp8_export_stores_the_release_layout_and_dequantizes(tmp_path: Path) -> None:
     tensors = _tensors(1)
     out = tmp_path / "fp8"
-    write_release(out, tensors.items(), KINDS.__getitem__, {"model_type": "deepseek_v4"},
+    write_checkpoint(out, tensors.items(), KINDS.__getitem__, {"model_type": "deepseek_v4"},
                   dtype="fp8")  # fmt: skip
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
     assert config["quantization_config"]["scale_fmt"] == "ue8m0" and config["expert_dtype"] == "fp4"
-    with ReleaseReader(out) as reader:
+    with CheckpointReader(out) as reader:
         assert "layers.0.attn.wq_a.scale" in reader.stored_names()
         assert "layers.0.attn.wq_a.scale" not in reader.names()
         assert reader.dtype("layers.0.attn.wq_a.weight") == torch.float8_e4m3fn
@@ -101,31 +101,33 @@ def test_fp8_export_stores_the_release_layout_and_dequantizes(tmp_path: Path) ->
 def test_reader_opens_a_single_file_checkpoint(tmp_path: Path) -> None:
     save_file({"a.weight": torch.ones(2, 3)}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text("{}")
-    with ReleaseReader(tmp_path) as reader:
+    with CheckpointReader(tmp_path) as reader:
         assert reader.names() == ["a.weight"]
         assert torch.equal(reader.read("a.weight"), torch.ones(2, 3))
 
 
 def test_reader_errors_name_what_and_where(tmp_path: Path) -> None:
-    with pytest.raises(ReleaseFormatError, match="not a directory"):
-        ReleaseReader(tmp_path / "nope")
-    with pytest.raises(ReleaseFormatError, match=r"config.json: missing"):
-        ReleaseReader(tmp_path)
+    with pytest.raises(CheckpointFormatError, match="not a directory"):
+        CheckpointReader(tmp_path / "nope")
+    with pytest.raises(CheckpointFormatError, match=r"config.json: missing"):
+        CheckpointReader(tmp_path)
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ReleaseFormatError, match=r"neither model\.safetensors\.index\.json"):
-        ReleaseReader(tmp_path)
+    with pytest.raises(CheckpointFormatError, match=r"neither model\.safetensors\.index\.json"):
+        CheckpointReader(tmp_path)
     out = tmp_path / "ck"
-    write_release(out, _tensors().items(), KINDS, {}, max_shard_bytes=60_000)
-    with ReleaseReader(out) as reader:
-        with pytest.raises(ReleaseFormatError, match=r"no tensor 'layers.9.x'"):
+    write_checkpoint(out, _tensors().items(), KINDS, {}, max_shard_bytes=60_000)
+    with CheckpointReader(out) as reader:
+        with pytest.raises(CheckpointFormatError, match=r"no tensor 'layers.9.x'"):
             reader.read("layers.9.x")
-        with pytest.raises(ReleaseFormatError, match=r"'layers.0.attn_norm.weight' has shape "
+        with pytest.raises(CheckpointFormatError, match=r"'layers.0.attn_norm.weight' has shape "
                            r"\[136\] in the checkpoint but \[135\] in the model"):  # fmt: skip
             reader.read("layers.0.attn_norm.weight", shape=(135,))
     last = sorted(out.glob("model-*.safetensors"))[-1]
     last.unlink()
-    with pytest.raises(ReleaseFormatError, match=rf"{last.name}: shard missing \(the index maps"):
-        ReleaseReader(out)
+    with pytest.raises(
+        CheckpointFormatError, match=rf"{last.name}: shard missing \(the index maps"
+    ):
+        CheckpointReader(out)
 
 
 def test_write_is_atomic_and_refuses_to_overwrite(tmp_path: Path) -> None:
@@ -135,17 +137,19 @@ def test_write_is_atomic_and_refuses_to_overwrite(tmp_path: Path) -> None:
 
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="source failed"):
-        write_release(out, broken(), KINDS, {}, max_shard_bytes=1)
+        write_checkpoint(out, broken(), KINDS, {}, max_shard_bytes=1)
     assert not out.exists() and not list(tmp_path.iterdir())  # nothing half-written remains
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(ReleaseFormatError, match="exists and is not an empty directory"):
-        write_release(out, _tensors().items(), KINDS, {})
-    with pytest.raises(ReleaseFormatError, match="given twice"):
+    with pytest.raises(CheckpointFormatError, match="exists and is not an empty directory"):
+        write_checkpoint(out, _tensors().items(), KINDS, {})
+    with pytest.raises(CheckpointFormatError, match="given twice"):
         twice = [("layers.0.attn_norm.weight", torch.ones(2))] * 2
-        write_release(tmp_path / "t", twice, KINDS, {})
-    with pytest.raises(ReleaseFormatError, match=r"only 2-D '.weight' tensors can be stored fp8"):
-        write_release(tmp_path / "u", [("x.bias", torch.ones(4))], {"x.bias": "fp8"}, {},
+        write_checkpoint(tmp_path / "t", twice, KINDS, {})
+    with pytest.raises(
+        CheckpointFormatError, match=r"only 2-D '.weight' tensors can be stored fp8"
+    ):
+        write_checkpoint(tmp_path / "u", [("x.bias", torch.ones(4))], {"x.bias": "fp8"}, {},
                       dtype="fp8")  # fmt: skip
 
 
@@ -153,7 +157,7 @@ def test_extra_files_travel_with_the_export(tmp_path: Path) -> None:
     tok = tmp_path / "tokenizer.json"
     tok.write_text('{"model": {}}')
     out = tmp_path / "out"
-    write_release(out, _tensors().items(), KINDS, {}, extra_files=[tok])
+    write_checkpoint(out, _tensors().items(), KINDS, {}, extra_files=[tok])
     assert (out / "tokenizer.json").read_text() == tok.read_text()
 
 
@@ -167,7 +171,7 @@ def test_fp4_stored_as_float4_x2_reads_like_int8(tmp_path: Path) -> None:
         d.mkdir()
         save_file({"e.weight": packed, "e.scale": scale}, d / "model.safetensors")
         (d / "config.json").write_text("{}")
-        with ReleaseReader(d) as reader:
+        with CheckpointReader(d) as reader:
             assert reader.storage("e.weight") == "fp4" and reader.shape("e.weight") == (64, 96)
             assert reader.nbytes("e.weight") == 64 * 48 + 64 * 3
             assert torch.equal(reader.read("e.weight", torch.float32),
@@ -183,7 +187,7 @@ def test_read_into_decodes_in_chunks_bit_equal_to_a_whole_read(tmp_path: Path, m
                "n.weight": torch.randn(256, generator=g)}  # fmt: skip
     kinds = {"a.weight": "fp8", "b.weight": "fp4", "n.weight": "bf16"}
     out = tmp_path / "ck"
-    write_release(out, tensors.items(), kinds, {}, dtype="fp8")
+    write_checkpoint(out, tensors.items(), kinds, {}, dtype="fp8")
     want = {
         "a.weight": dequantize_fp8(*quantize_fp8(tensors["a.weight"]), torch.float32),
         "b.weight": dequantize_fp4(*quantize_fp4(tensors["b.weight"]), torch.float32),
@@ -191,8 +195,8 @@ def test_read_into_decodes_in_chunks_bit_equal_to_a_whole_read(tmp_path: Path, m
     }
     # a: 128-row chunks (b: 512 rows, one chunk); then b: 8-row chunks, the last one 6 rows
     for chunk in (256 * 128, 64 * 8):
-        monkeypatch.setattr(ReleaseReader, "CHUNK", chunk)
-        with ReleaseReader(out) as reader:
+        monkeypatch.setattr(CheckpointReader, "CHUNK", chunk)
+        with CheckpointReader(out) as reader:
             for name, ref in want.items():
                 dst = torch.full(ref.shape, float("nan"), dtype=ref.dtype)
                 reader.read_into(name, dst, shape=ref.shape)
@@ -205,26 +209,27 @@ def test_read_into_decodes_in_chunks_bit_equal_to_a_whole_read(tmp_path: Path, m
 
 def test_truncated_or_mismatched_shards_are_refused_before_reading(tmp_path: Path) -> None:
     out = tmp_path / "ck"
-    write_release(out, _tensors().items(), KINDS, {}, max_shard_bytes=60_000)
+    write_checkpoint(out, _tensors().items(), KINDS, {}, max_shard_bytes=60_000)
     shards = sorted(out.glob("model-*.safetensors"))
     data = shards[0].read_bytes()
     shards[0].write_bytes(data[:-10])
     truncated = rf"{shards[0].name}: '.*' ends at byte {len(data)} but the file has "
     with pytest.raises(
-        ReleaseFormatError, match=truncated + rf"{len(data) - 10} bytes: it is trunc"
+        CheckpointFormatError, match=truncated + rf"{len(data) - 10} bytes: it is trunc"
     ):
-        ReleaseReader(out)
+        CheckpointReader(out)
     shards[0].write_bytes(b"\x05")
-    with pytest.raises(ReleaseFormatError, match="not a safetensors file or truncated"):
-        ReleaseReader(out)
+    with pytest.raises(CheckpointFormatError, match="not a safetensors file or truncated"):
+        CheckpointReader(out)
     shards[0].write_bytes(data)
     index = json.loads((out / INDEX_FILE).read_text())
     name = next(n for n, s in index["weight_map"].items() if s == shards[0].name)
     index["weight_map"][name] = shards[1].name
     (out / INDEX_FILE).write_text(json.dumps(index))
-    with pytest.raises(ReleaseFormatError, match=rf"the index maps '{name}' to this shard but it "
-                       "does not hold it"):  # fmt: skip
-        ReleaseReader(out)
+    with pytest.raises(
+        CheckpointFormatError, match=rf"the index maps '{name}' to this shard but it does not hold"
+    ):
+        CheckpointReader(out)
 
 
 def test_streamed_shards_are_safetensors_files(tmp_path: Path) -> None:
@@ -236,10 +241,12 @@ def test_streamed_shards_are_safetensors_files(tmp_path: Path) -> None:
     tensors |= _tensors(4)
     kinds = dict.fromkeys(tensors, "bf16") | KINDS
     out = tmp_path / "ck"
-    summary = write_release(out, tensors.items(), kinds, {}, dtype="fp8", max_shard_bytes=2 << 20)
+    summary = write_checkpoint(
+        out, tensors.items(), kinds, {}, dtype="fp8", max_shard_bytes=2 << 20
+    )
     # 36 KB of data is far below 2 MiB, but 49 header entries of ~100 B overflow the 2 KiB room
     assert summary.shards >= 2 and summary.tensors == len(tensors) + 3  # + 3 scales
-    with ReleaseReader(out) as reader:
+    with CheckpointReader(out) as reader:
         for shard in sorted(out.glob("model-*.safetensors")):
             with safe_open(shard, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118
@@ -256,9 +263,9 @@ def test_streamed_shards_are_safetensors_files(tmp_path: Path) -> None:
 def test_concurrent_reads_equal_sequential_ones_and_raise_the_first_error(tmp_path: Path) -> None:
     out = tmp_path / "ck"
     tensors = _tensors(5)
-    write_release(out, tensors.items(), KINDS, {}, dtype="fp8", max_shard_bytes=60_000)
+    write_checkpoint(out, tensors.items(), KINDS, {}, dtype="fp8", max_shard_bytes=60_000)
     threads = torch.get_num_threads()
-    with ReleaseReader(out) as one, ReleaseReader(out) as many:
+    with CheckpointReader(out) as one, CheckpointReader(out) as many:
         want = {n: one.read(n, torch.float32 if KINDS[n] != "int64" else None) for n in tensors}
         got = {n: torch.empty_like(t) for n, t in want.items()}
         done: list[int] = []
@@ -269,7 +276,7 @@ def test_concurrent_reads_equal_sequential_ones_and_raise_the_first_error(tmp_pa
         assert all(torch.equal(got[n], want[n]) for n in tensors) and len(done) == len(tensors)
         assert many.bytes_read == one.bytes_read == one.total_bytes()
         with (
-            pytest.raises(ReleaseFormatError, match=r"'layers.0.attn_norm.weight' has shape"),
+            pytest.raises(CheckpointFormatError, match=r"'layers.0.attn_norm.weight' has shape"),
             many.concurrent(3) as read_into,
         ):
             for name, dst in got.items():

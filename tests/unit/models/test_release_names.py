@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from primus_v4.errors import ConfigError
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
-from primus_v4.models.deepseek_v4 import release as rel
-from primus_v4.models.deepseek_v4.release_config import FIELDS as RELEASE_FIELDS
+from primus_v4.models.deepseek_v4 import state_dict_adapter as rel
+from primus_v4.models.deepseek_v4.checkpoint_config import FIELDS as RELEASE_FIELDS
+from primus_v4.pretrained import load_pretrained
 
 # DeepSeek-V4-Flash's config.json keys (DESIGN.md section 5; HF DeepseekV4Config defaults, which
 # are the Flash release: 256 experts top-6, hidden 4096, 43 layers, routed_scaling_factor 1.5,
@@ -285,13 +286,13 @@ def test_load_errors_name_unused_and_missing_tensors(tmp_path) -> None:
     extra.pop("layers.2.attn.compressor.ape")
     save_file(extra, path / "model.safetensors")
     with pytest.raises(ValueError) as err:
-        DeepseekV4Model.from_pretrained(path, progress=False)
+        load_pretrained(path, progress=False)
     msg = str(err.value)
     assert "missing from the checkpoint: layers.2.attn.compressor.ape" in msg
     assert "not used by the model: layers.1.attn.wq_c.weight [2, 2]" in msg
     # A tensor on the documented ignore list is skipped.
     tensors["mtp.0.head.weight"] = tensors["head.weight"].clone()
     save_file(tensors, path / "model.safetensors")
-    model = DeepseekV4Model.from_pretrained(path, progress=False)
+    model = load_pretrained(path, progress=False)
     assert torch.equal(model.layers[0].moe.router.tid2eid, tensors["layers.0.ffn.gate.tid2eid"])
     assert torch.equal(model.layers[1].moe.router.bias, tensors["layers.1.ffn.gate.bias"])

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from primus_v4.models.deepseek_v4.release_quant import (
+from primus_v4.checkpoint_formats.fp8_fp4 import (
     dequantize_fp4,
     dequantize_fp8,
     fp4_error_bound,
@@ -178,23 +178,23 @@ def test_quantizers_name_bad_shapes() -> None:
 
 @pytest.fixture(params=["native", "native-portable", "torch"])
 def bf16_path(request, monkeypatch) -> str:
-    """Every bf16 quantizer: the C pass (release_native.py; built here whenever a C compiler is
+    """Every bf16 quantizer: the C pass (native_quant.py; built here whenever a C compiler is
     present, and then it must build), its table variant for machines without SSE2, and the
     torch ops it stands in for."""
-    from primus_v4.models.deepseek_v4 import release_native
+    from primus_v4.checkpoint_formats import native_quant
 
     if request.param == "torch":
-        monkeypatch.setenv(release_native.ENV_SWITCH, "0")
-        assert release_native.library() is None
+        monkeypatch.setenv(native_quant.ENV_SWITCH, "0")
+        assert native_quant.library() is None
         return request.param
-    monkeypatch.delenv(release_native.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(native_quant.ENV_SWITCH, raising=False)
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         pytest.skip("no C compiler here: the native quantizer is not built")
     if request.param == "native-portable":
-        lib = release_native._library(compiler, portable=True)
-        monkeypatch.setattr(release_native, "library", lambda: lib)
-    assert release_native.library() is not None, "quant_bf16.c did not build"
+        lib = native_quant._library(compiler, portable=True)
+        monkeypatch.setattr(native_quant, "library", lambda: lib)
+    assert native_quant.library() is not None, "quant_bf16.c did not build"
     return request.param
 
 
@@ -228,7 +228,7 @@ def test_block_scales_are_the_smallest_power_of_two_at_the_edges_of_e8m0() -> No
     (maxima clamped to float32's tiny, as the quantizers pass them), subnormal quotients on both
     sides of 2^-127, exact powers of two, their neighbours and 1.5x, and maxima near float32's
     top."""
-    from primus_v4.models.deepseek_v4.release_quant import _pow2_exponent
+    from primus_v4.checkpoint_formats.fp8_fp4 import _pow2_exponent
 
     tiny = torch.finfo(torch.float32).tiny
     edges = [0.0, 1e-45, tiny / 8, tiny / 2, tiny, 3.0, 448.0, 6.0, 1.0, 3e38]
@@ -256,7 +256,7 @@ def test_bf16_quantizers_shift_exponents_like_the_float32_division(
     both edges), with zeros, negative zeros and subnormals under every maximum, and all-zero
     blocks among them; the last chunks hold a scale above 1 or below the range. Codes and
     scales equal the float32 path's everywhere."""
-    from primus_v4.models.deepseek_v4 import release_quant as rq
+    from primus_v4.checkpoint_formats import fp8_fp4 as rq
 
     f = rq._BF16_FORMATS[fmt]
     br, bc = f.block_rows, f.block_cols
@@ -298,7 +298,7 @@ def test_bf16_quantizers_shift_exponents_like_the_float32_division(
 
 def test_without_a_compiler_the_torch_ops_quantize_to_the_same_bits(monkeypatch) -> None:
     """A missing compiler is no error: the torch path gives the bits the C pass gives."""
-    from primus_v4.models.deepseek_v4 import release_native
+    from primus_v4.checkpoint_formats import native_quant
 
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(256, 256, generator=g) * 0.02).to(torch.bfloat16)
@@ -306,7 +306,7 @@ def test_without_a_compiler_the_torch_ops_quantize_to_the_same_bits(monkeypatch)
     w[130:, 40] = 1e4  # a scale above 1: the division path
     first = [quantize_fp4(w), quantize_fp8(w)]
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    assert release_native.library() is None
+    assert native_quant.library() is None
     for (a, sa), (b, sb) in zip(first, [quantize_fp4(w), quantize_fp8(w)], strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         assert torch.equal(sa.view(torch.uint8), sb.view(torch.uint8))

@@ -6,7 +6,7 @@ import pytest
 
 from primus_v4.errors import ConfigError
 from primus_v4.parallel.groups import ParallelContext, ParallelDims
-from primus_v4.parallel.pipeline import even_pp_layout, parse_pp_layout, plan_stages
+from primus_v4.parallel.pipeline_layout import even_pp_layout, parse_pp_layout, plan_stages
 
 FLASH = "Et*14|t*14|t*15mL"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
-from primus_v4.training.router_bias import RouterBiasUpdate, routed_routers
+from primus_v4.models.deepseek_v4.router_bias import RouterBiasUpdate, routed_routers
 
 
 def _model(**kw) -> DeepseekV4Model:

@@ -27,6 +27,7 @@ from release_checkpoint import random_release_tensors, release_config, write_che
 from primus_v4.commands import export, train
 from primus_v4.config import load_config, resolve_run
 from primus_v4.errors import ConfigError
+from primus_v4.pretrained import load_pretrained
 from primus_v4.training.metrics import read_metrics
 
 transformers = pytest.importorskip("transformers", minversion="5.23")
@@ -133,13 +134,12 @@ def test_export_of_the_run_loads_in_hf_with_the_trained_weights(trained: Path) -
 
 
 def test_fp8_export_of_the_run_reloads(trained: Path) -> None:
-    from primus_v4.models.deepseek_v4 import DeepseekV4Model
 
     out = trained / "export_fp8"
     assert _run(export, [], ("--run", str(trained / "run" / "ckpt"), "--out", str(out),
                              "--dtype", "fp8", "--no-progress")) == 0  # fmt: skip
     assert json.loads((out / "config.json").read_text())["quantization_config"]["fmt"] == "e4m3"
-    model = DeepseekV4Model.from_pretrained(out, dtype=torch.float32, progress=False)
+    model = load_pretrained(out, dtype=torch.float32, progress=False)
     logits = model(torch.tensor([[5, 900, 77, 12000]])).logits
     assert torch.isfinite(logits).all()
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from primus_v4.config import ResolvedRun, load_config, resolve_run
-from primus_v4.data.loader import layout, to_thd_batch
+from primus_v4.data.packed_corpus import layout, to_thd_batch
 from primus_v4.data.thd import ThdBatch
 from primus_v4.models.deepseek_v4.model import ModelOutput
 from primus_v4.models.deepseek_v4.mtp import mtp_streams

@@ -1,4 +1,4 @@
-"""The released checkpoint's names <-> ours, one table.
+"""DeepSeek-V4's state-dict adapter: the released checkpoint's names <-> ours, one table.
 
 Legend: E = routed experts (L = those of an expert-parallel shard), D = hidden, F = expert ffn,
 G = output groups, O = o_lora rank, I = heads x head_dim / G.
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from primus_v4.models.deepseek_v4.checkpoint_config import config_from_release, config_to_release
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
-from primus_v4.models.deepseek_v4.release_config import config_from_release, config_to_release
 
 __all__ = [
     "IGNORED",
@@ -54,6 +54,7 @@ __all__ = [
     "name_table",
     "needed",
     "release_tensors",
+    "stored_name_map",
     "stored_tensors",
     "to_release",
 ]
@@ -290,6 +291,12 @@ def from_hf_name(name: str) -> str:
     return name
 
 
+def stored_name_map(names: Iterable[str]) -> Callable[[str], str] | None:
+    """The `rename=` of a checkpoint reader: transformers' names -> the release's when the
+    directory was saved by `save_pretrained`, None (read as stored) otherwise."""
+    return from_hf_name if is_hf_saved(names) else None
+
+
 def ignored(name: str) -> bool:
     """True for a checkpoint name on the documented ignore list (`IGNORED`)."""
     return any(re.search(p, name) for p in IGNORED)
@@ -301,7 +308,7 @@ def _entries(cfg: DeepseekV4Config, names: Iterable[str]) -> list[TableEntry]:
     if missing:
         raise KeyError(
             f"{len(missing)} of our tensors have no release mapping, e.g. {missing[:5]}; "
-            "extend primus_v4/models/deepseek_v4/release.py"
+            "extend primus_v4/models/deepseek_v4/state_dict_adapter.py"
         )
     return [table[n] for n in names]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from primus_v4.models.deepseek_v4.release_errors import ReleaseFormatError
+from primus_v4.errors import CheckpointFormatError
 
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -64,14 +64,14 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
         head = f.read(8)
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
         if length < 0 or length > min(size - 8, _MAX_HEADER):
-            raise ReleaseFormatError(
+            raise CheckpointFormatError(
                 f"{path}: not a safetensors file or truncated ({size} bytes, header length "
                 f"{length}); fetch the file again"
             )
         try:
             header = json.loads(f.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ReleaseFormatError(f"{path}: unreadable safetensors header ({err})") from None
+            raise CheckpointFormatError(f"{path}: unreadable safetensors header ({err})") from None
     out: dict[str, StoredTensor] = {}
     for name, info in header.items():
         if name != "__metadata__":
@@ -82,19 +82,19 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
 def _stored_entry(path: Path, name: str, info: dict, base: int, size: int) -> StoredTensor:
     dtype = _ST_DTYPES.get(info.get("dtype"))
     if dtype is None:
-        raise ReleaseFormatError(f"{path}: '{name}' has unsupported dtype {info.get('dtype')}")
+        raise CheckpointFormatError(f"{path}: '{name}' has unsupported dtype {info.get('dtype')}")
     shape = tuple(int(d) for d in info["shape"])
     if dtype == torch.float4_e2m1fn_x2:  # safetensors counts 4-bit values; torch pairs them
         shape = (*shape[:-1], shape[-1] // 2)
     begin, end = (int(x) for x in info["data_offsets"])
     stored = StoredTensor(shard=path.name, dtype=dtype, shape=shape, offset=base + begin)
     if end - begin != stored.nbytes:
-        raise ReleaseFormatError(
+        raise CheckpointFormatError(
             f"{path}: '{name}' {list(shape)} {info['dtype']} needs {stored.nbytes} bytes but its "
             f"data_offsets span {end - begin}; the file is corrupt"
         )
     if base + end > size:
-        raise ReleaseFormatError(
+        raise CheckpointFormatError(
             f"{path}: '{name}' ends at byte {base + end} but the file has {size} bytes: it is "
             "truncated (an incomplete download or copy); fetch it again"
         )
@@ -143,10 +143,12 @@ class ShardWriter:
 
     def add(self, name: str, t: torch.Tensor) -> None:
         if t.dtype not in _ST_NAMES:
-            raise ReleaseFormatError(f"'{name}': dtype {t.dtype} has no safetensors name")
+            raise CheckpointFormatError(f"'{name}': dtype {t.dtype} has no safetensors name")
         entry = self._entry(name, t, self.data_bytes)
         if self._header_bytes + len(entry) + 1 > self.room:
-            raise ReleaseFormatError(f"{self.path}: header room {self.room} B is full at '{name}'")
+            raise CheckpointFormatError(
+                f"{self.path}: header room {self.room} B is full at '{name}'"
+            )
         self._file.write(readable_bytes(t))
         self._entries.append(entry)
         self._header_bytes += len(entry) + 1

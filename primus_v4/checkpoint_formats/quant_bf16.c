@@ -1,14 +1,14 @@
 /* bf16 -> the release's FP8 (e4m3, ue8m0 per 128x128 block) / FP4 (e2m1, ue8m0 per 32 inputs)
- * in one pass per block: release_native.py compiles it on first use and calls it through
+ * in one pass per block: native_quant.py compiles it on first use and calls it through
  * ctypes (the GIL is released, so export threads run it in parallel). It is the algorithm of
- * release_quant._quantize_bf16, element for element, so the codes are its codes (tested over
+ * fp8_fp4._quantize_bf16, element for element, so the codes are its codes (tested over
  * every bf16 pattern):
  *   top   = the block's largest pattern without its sign bit (it orders like |x|);
  *   e     = ((top + carry) >> 7) - bias, clamped to [-127, 127] (the smallest power of two
  *           with max |x| / 2^e <= limit, see _Bf16Format);
  *   y     = x / 2^e as a bf16 pattern: the pattern plus -e << 7 when e is in [lowest, 0] or the
  *           block is all zero (shift clamped to -lowest), else bf16(float(x) * 2^-e);
- *   code  = table[y] (release_quant._bf16_code_table; FP4 computes the same codes, fp4_pack),
+ *   code  = table[y] (fp8_fp4._bf16_code_table; FP4 computes the same codes, fp4_pack),
  *           FP4 two per byte, the even one low.
  * Returns the number of blocks holding NaN or inf (their outputs are left unspecified).
  */

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from primus_v4.models.deepseek_v4 import release_native
+from primus_v4.checkpoint_formats import native_quant
 
 FP8_BLOCK = 128
 FP4_BLOCK = 32
@@ -315,7 +315,7 @@ def _scratch(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 
 def _quantize_bf16(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_fp8` / `quantize_fp4` of a contiguous bf16 `[N, K]` (FP8: N, K multiples of
-    128): as one C pass per block (release_native.py) when a compiler is at hand, else by row
+    128): as one C pass per block (native_quant.py) when a compiler is at hand, else by row
     chunks of torch integer operations on the bf16 bit patterns; both bit-equal to the float32
     path (tested over every bf16 pattern). The algorithm:
     - block maxima: the patterns without their sign bit order like the magnitudes, so an int32
@@ -331,9 +331,9 @@ def _quantize_bf16(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tenso
     n, k = w.shape
     f = _BF16_FORMATS[fmt]
     table = _bf16_code_table(fmt)
-    native = release_native.quantize(
+    native = native_quant.quantize(
         w, fmt, carry=f.carry, bias=f.bias, lowest=f.lowest, table=table
-    )  # the same algorithm as one C pass, when a compiler is at hand (release_native.py)
+    )  # the same algorithm as one C pass, when a compiler is at hand (native_quant.py)
     if native is not None:
         out, exponent, bad = native
         if bad:

@@ -1,4 +1,5 @@
-"""Turn one rank's freshly built model into its parallel form: pipeline stage, then experts.
+"""How DeepSeek-V4 is cut for parallelism: one rank's freshly built model into its parallel form
+(pipeline stage, then experts), with the generic collectives of `primus_v4.parallel`.
 
 Order matters: the pipeline cut keeps only this stage's layers (moved, not copied), then expert
 parallelism slices the remaining MoE layers to this rank's experts [E/ep, ...]. The model is
@@ -19,9 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from primus_v4.errors import ConfigError
 from primus_v4.log import get_logger
-from primus_v4.parallel.groups import ParallelContext
+from primus_v4.models.deepseek_v4.model import DeepseekV4Model, ModelOutput
+from primus_v4.models.deepseek_v4.moe import MoE, combine_experts
+from primus_v4.models.deepseek_v4.pipeline_stage import build_stage
+from primus_v4.models.deepseek_v4.weight_init import init_buffers
+from primus_v4.parallel.expert_parallel import AllToAllDispatcher
+from primus_v4.parallel.groups import Axis, ParallelContext
+from primus_v4.parallel.pipeline_layout import plan_stages
+from primus_v4.parallel.pipeline_schedule import PipelineRunner
 
 log = get_logger(__name__)
 
@@ -35,7 +42,7 @@ class Parallelized:
 
 
 def parallelize(
-    model: nn.Module,
+    model: DeepseekV4Model,
     ctx: ParallelContext,
     *,
     pp_layout: str | None,
@@ -50,18 +57,8 @@ def parallelize(
     if ctx.pp.size == 1 and ctx.ep.size == 1:
         _materialize_or_fill(model, device=device, seed=seed, weights=weights)
         return Parallelized(model=model)
-    from primus_v4.models.deepseek_v4 import DeepseekV4Model
-
-    if not isinstance(model, DeepseekV4Model):
-        raise ConfigError(
-            f"parallel.pp={ctx.pp.size} / parallel.ep={ctx.ep.size} need a DeepseekV4Model, "
-            f"got {type(model).__name__}"
-        )
     spec = None
     if ctx.pp.size > 1:
-        from primus_v4.parallel.pipeline import plan_stages
-        from primus_v4.parallel.pipeline_stage import build_stage
-
         cfg = model.cfg
         specs = plan_stages(
             pp=ctx.pp.size,
@@ -73,17 +70,13 @@ def parallelize(
         model = build_stage(model, spec, packed=packed)
         log.info("pipeline stage %d/%d: %s", spec.index, ctx.pp.size, spec.symbols)
     if ctx.ep.size > 1:
-        from primus_v4.parallel.expert_parallel import apply_expert_parallel
-
         layers = apply_expert_parallel(model, ctx.ep)
         log.info("expert parallel: %d MoE layers hold %d of their experts each", layers,
                  model.cfg.num_moe_experts // ctx.ep.size)  # fmt: skip
     _materialize_or_fill(model, device=device, seed=seed, weights=weights)
     runner = None
     if spec is not None:
-        from primus_v4.parallel.pipeline_schedule import PipelineRunner
-
-        runner = PipelineRunner(model, ctx, device=device)
+        runner = PipelineRunner(model, ctx, device=device, output=ModelOutput.from_sums)
     return Parallelized(model=model, pipeline=runner)
 
 
@@ -125,9 +118,39 @@ def materialize(
     if weights is None:
         model.init_weights(seed)  # type: ignore[operator]
     else:
-        from primus_v4.models.deepseek_v4.init import init_buffers
-
         weights(model)
         init_buffers(model)
     log.info("materialized %d parameters on %s", sum(p.numel() for p in model.parameters()),
              device)  # fmt: skip
+
+
+def shard_moe(moe: nn.Module, ep: Axis) -> None:
+    """Keep this rank's experts of `moe` (weights [E, ...] -> [L, ...]) and dispatch over `ep`.
+
+    Sharded parameters are tagged `expert_parallel = True`: their gradients are summed over
+    the expert-data-parallel group, not over DP x CP like the replicated ones; `expert_group`
+    (the EP group) lets checkpoints store them as shards of one global [E, ...] tensor.
+    On the meta device the shard is shapes only; `init_weights` later draws its own experts.
+    """
+    if ep.size == 1:
+        return
+    num_experts = moe.num_experts
+    dispatcher = AllToAllDispatcher(ep, num_experts, combine=combine_experts)
+    lo = ep.rank * dispatcher.num_local
+    for name in ("w_gate_up", "w_down"):
+        full = getattr(moe, name)
+        local = nn.Parameter(full.detach()[lo : lo + dispatcher.num_local].clone())
+        local.expert_parallel = True  # type: ignore[attr-defined]
+        # Checkpoints save the shard as rows [lo, lo + L) of the global [E, ...] tensor.
+        local.expert_group = ep.group  # type: ignore[attr-defined]
+        setattr(moe, name, local)
+    moe.expert_offset = lo  # init draws expert i of the shard as global expert lo + i
+    moe.dispatcher = dispatcher
+
+
+def apply_expert_parallel(model: nn.Module, ep: Axis) -> int:
+    """Shard every MoE layer of `model` over `ep`; returns how many layers were sharded."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in layers:
+        shard_moe(moe, ep)
+    return len(layers)

@@ -223,7 +223,7 @@ def config_from_release(d: dict, *, source: str = "config.json", **overrides) ->
     if unknown:
         raise ConfigError(
             f"{source}: keys {unknown} are not understood; they may change the math, so the "
-            "checkpoint is refused (see primus_v4/models/deepseek_v4/release_config.py)"
+            "checkpoint is refused (see primus_v4/models/deepseek_v4/checkpoint_config.py)"
         )
     for key, value in _REQUIRED.items():
         if key in d and d[key] != value:

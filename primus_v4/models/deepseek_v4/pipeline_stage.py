@@ -28,7 +28,7 @@ from primus_v4.models.deepseek_v4.layout import LocalComm, RowLayout, SeqComm
 from primus_v4.models.deepseek_v4.model import DeepseekV4Model, ModelOutput
 from primus_v4.models.deepseek_v4.moe import RoutingInputs
 from primus_v4.models.deepseek_v4.mtp import MtpStreams
-from primus_v4.parallel.pipeline import StageSpec
+from primus_v4.parallel.pipeline_layout import StageSpec
 
 
 class _AttachAux(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""The bf16 quantizers of release_quant as one C pass per block (quant_bf16.c), when a C compiler
+"""The bf16 quantizers of fp8_fp4 as one C pass per block (quant_bf16.c), when a C compiler
 is at hand.
 
 Quantizing is what an fp8 export spends its time on: the torch ops of `_quantize_bf16` make
@@ -102,7 +102,7 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """(codes uint8, exponents int32, blocks holding NaN or inf) of a contiguous CPU bf16
     `[N, K]` (FP8: N, K multiples of 128; FP4: K a multiple of 32), or None without the
-    library. The format constants are `release_quant._Bf16Format`'s."""
+    library. The format constants are `fp8_fp4._Bf16Format`'s."""
     lib = library()
     if lib is None:
         return None

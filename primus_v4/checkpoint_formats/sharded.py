@@ -1,11 +1,13 @@
-"""Released-checkpoint IO: per-tensor positioned reads and atomic sharded writes.
+"""Sharded safetensors checkpoints as DeepSeek releases them: per-tensor positioned reads and
+atomic sharded writes. Model-agnostic: tensor names are the file's (a model's state-dict adapter
+maps them to its own).
 
-A release directory holds `config.json` and either `model.safetensors.index.json` + shards or
+A checkpoint directory holds `config.json` and either `model.safetensors.index.json` + shards or
 one `model.safetensors`. Quantized weights are stored as `<module>.weight` plus a sibling
 `<module>.scale` (FP8 e4m3 with 128x128 ue8m0 blocks, or FP4 e2m1 packed two per int8 byte with
-ue8m0 scales per 32 inputs; see release_quant.py). `ReleaseReader.names()` lists the logical
+ue8m0 scales per 32 inputs; see fp8_fp4.py). `CheckpointReader.names()` lists the logical
 tensors (scales folded into their weights); `read(name, dtype=)` returns one dequantized tensor
-and counts the stored bytes it touched. `write_release` writes a directory the same way.
+and counts the stored bytes it touched. `write_checkpoint` writes a directory the same way.
 """
 
 from __future__ import annotations
@@ -25,9 +27,7 @@ from typing import Literal
 
 import torch
 
-from primus_v4.models.deepseek_v4 import release
-from primus_v4.models.deepseek_v4.release_errors import ReleaseFormatError
-from primus_v4.models.deepseek_v4.release_quant import (
+from primus_v4.checkpoint_formats.fp8_fp4 import (
     FP4_BLOCK,
     FP8_BLOCK,
     dequantize_fp4_into,
@@ -37,12 +37,13 @@ from primus_v4.models.deepseek_v4.release_quant import (
     quantize_fp8,
     work_dtype,
 )
-from primus_v4.models.deepseek_v4.safetensors_io import (
+from primus_v4.checkpoint_formats.safetensors_io import (
     ShardWriter,
     StoredTensor,
     read_header,
     writable_bytes,
 )
+from primus_v4.errors import CheckpointFormatError
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -68,9 +69,9 @@ def _load_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ReleaseFormatError(f"{path}: missing (a release directory needs it)") from None
+        raise CheckpointFormatError(f"{path}: missing (a release directory needs it)") from None
     except json.JSONDecodeError as err:
-        raise ReleaseFormatError(f"{path}: not valid JSON ({err})") from None
+        raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
 
 
 def _weight_map(directory: Path) -> dict[str, str]:
@@ -79,13 +80,13 @@ def _weight_map(directory: Path) -> dict[str, str]:
     if index.exists():
         weight_map = _load_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ReleaseFormatError(f"{index}: no 'weight_map' object")
+            raise CheckpointFormatError(f"{index}: no 'weight_map' object")
         by_shard: dict[str, str] = {}
         for name, shard in weight_map.items():
             by_shard.setdefault(shard, name)
         for shard, name in sorted(by_shard.items()):
             if not (directory / shard).is_file():
-                raise ReleaseFormatError(
+                raise CheckpointFormatError(
                     f"{directory / shard}: shard missing (the index maps '{name}' and others to "
                     "it); download the complete checkpoint"
                 )
@@ -93,7 +94,7 @@ def _weight_map(directory: Path) -> dict[str, str]:
     single = directory / SINGLE_FILE
     if single.is_file():
         return dict.fromkeys(read_header(single), SINGLE_FILE)
-    raise ReleaseFormatError(
+    raise CheckpointFormatError(
         f"{directory}: neither {INDEX_FILE} nor {SINGLE_FILE}; point at a released checkpoint "
         "directory (config.json + safetensors)"
     )
@@ -105,7 +106,7 @@ def load_workers() -> int:
     return max(1, min(4, torch.get_num_threads()))
 
 
-class ReleaseReader:
+class CheckpointReader:
     """Reads of a release directory, one tensor at a time, straight into their destination.
 
     Tensors are read with positioned reads from the shard files, not memory-mapped: a mapped
@@ -118,10 +119,17 @@ class ReleaseReader:
 
     CHUNK = 1 << 21  # elements decoded per step: scratch stays in cache-sized pieces
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        rename: Callable[[Iterable[str]], Callable[[str], str] | None] | None = None,
+    ) -> None:
+        """`rename(stored_names)` may return a function from stored names to the names the
+        caller reads by (e.g. a transformers-saved checkpoint's names to the release's)."""
         self.directory = Path(directory)
         if not self.directory.is_dir():
-            raise ReleaseFormatError(f"{self.directory}: not a directory")
+            raise CheckpointFormatError(f"{self.directory}: not a directory")
         self.config: dict = _load_json(self.directory / CONFIG_FILE)
         self._shard_of = _weight_map(self.directory)
         self._meta: dict[str, StoredTensor] = {}
@@ -129,15 +137,15 @@ class ReleaseReader:
             self._meta.update(read_header(self.directory / shard))
         for name, shard in self._shard_of.items():
             if self._meta.get(name, None) is None or self._meta[name].shard != shard:
-                raise ReleaseFormatError(
+                raise CheckpointFormatError(
                     f"{self.directory / shard}: the index maps '{name}' to this shard but it "
                     "does not hold it; the index and the shards are from different checkpoints"
                 )
-        self.hf_saved = release.is_hf_saved(self._shard_of)
-        if self.hf_saved:  # transformers' save_pretrained names: read under the release's
-            renamed = {release.from_hf_name(n): n for n in self._shard_of}
+        to_name = rename(list(self._shard_of)) if rename is not None else None
+        if to_name is not None:
+            renamed = {to_name(n): n for n in self._shard_of}
             if len(renamed) != len(self._shard_of):
-                raise ReleaseFormatError(
+                raise CheckpointFormatError(
                     f"{self.directory}: two stored tensors map to one release name"
                 )
             self._shard_of = {r: self._shard_of[n] for r, n in renamed.items()}
@@ -156,7 +164,7 @@ class ReleaseReader:
         self._names = sorted(n for n in self._shard_of if n not in scales)
         self.bytes_read = 0
 
-    def __enter__(self) -> ReleaseReader:
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -170,7 +178,7 @@ class ReleaseReader:
 
     def _stored(self, name: str) -> StoredTensor:
         if name not in self._shard_of:
-            raise ReleaseFormatError(
+            raise CheckpointFormatError(
                 f"{self.directory}: no tensor '{name}' in the checkpoint ({len(self._names)} "
                 "tensors; check the model config matches this checkpoint)"
             )
@@ -215,7 +223,7 @@ class ReleaseReader:
     def read_check(self, name: str, shape: Sequence[int]) -> None:
         """Raise naming the tensor unless its logical shape is `shape` (the parameter's)."""
         if tuple(shape) != self.shape(name):
-            raise ReleaseFormatError(
+            raise CheckpointFormatError(
                 f"{self.directory / self.shard_of(name)}: '{name}' has shape "
                 f"{list(self.shape(name))} in the checkpoint but {list(shape)} in the model; "
                 "the config does not match this checkpoint"
@@ -240,7 +248,7 @@ class ReleaseReader:
         while done < len(view):
             n = os.preadv(fd, [view[done:]], stored.offset + start + done)
             if not n:
-                raise ReleaseFormatError(
+                raise CheckpointFormatError(
                     f"{self.directory / stored.shard}: ended inside a tensor at byte "
                     f"{stored.offset + start + done} (the file shrank while being read)"
                 )
@@ -363,7 +371,7 @@ class ReleaseReader:
 
 @dataclass(kw_only=True, frozen=True)
 class WriteSummary:
-    """What `write_release` wrote."""
+    """What `write_checkpoint` wrote."""
 
     directory: Path
     shards: int
@@ -377,20 +385,20 @@ def _encode(
     """One logical tensor -> the stored tensors (a weight and maybe its scale)."""
     if storage in ("fp8", "fp4") and dtype == "fp8":
         if tensor.ndim != 2 or not name.endswith(".weight"):
-            raise ReleaseFormatError(
+            raise CheckpointFormatError(
                 f"'{name}' {list(tensor.shape)}: only 2-D '.weight' tensors can be stored {storage}"
             )
         try:
             q, scale = quantize_fp8(tensor) if storage == "fp8" else quantize_fp4(tensor)
         except ValueError as err:
-            raise ReleaseFormatError(
+            raise CheckpointFormatError(
                 f"'{name}' {list(tensor.shape)}: {err}; the release's {storage} layout cannot "
                 "hold it, export with dtype 'bfloat16'"
             ) from None
         return [(name, q), (name.removesuffix(".weight") + ".scale", scale)]
     target = torch.bfloat16 if storage in ("fp8", "fp4") else _PLAIN_DTYPES.get(storage)
     if target is None:
-        raise ReleaseFormatError(f"'{name}': unknown storage '{storage}' (expected {Storage})")
+        raise CheckpointFormatError(f"'{name}': unknown storage '{storage}' (expected {Storage})")
     # cast and lay out in one pass (exported experts are transposed views); `to` returns a
     # same-dtype tensor unchanged, hence the contiguous() (a no-op when already contiguous)
     out = tensor.detach().to(target, memory_format=torch.contiguous_format).contiguous()
@@ -416,7 +424,7 @@ def _release_config(config: dict, dtype: ExportDtype) -> dict:
 def _prepare_target(out_dir: Path) -> Path:
     """A fresh temp directory beside `out_dir` (renamed into place at the end)."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ReleaseFormatError(
+        raise CheckpointFormatError(
             f"{out_dir}: exists and is not an empty directory; choose a new output directory"
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -425,7 +433,7 @@ def _prepare_target(out_dir: Path) -> Path:
     return tmp
 
 
-def write_release(
+def write_checkpoint(
     out_dir: str | os.PathLike,
     tensors: Iterable[tuple[str, torch.Tensor]],
     kinds: Mapping[str, str] | Callable[[str], str],
@@ -439,15 +447,15 @@ def write_release(
     """Write release-named tensors as a release directory, atomically.
 
     `tensors` is consumed lazily (one shard's worth is held at a time); `kinds[name]` (a mapping
-    or a callable) says how the release stores each tensor (release.py's kinds). `dtype`
-    "bfloat16" stores fp8/fp4 tensors as bf16, "fp8" quantizes them like the release. Shards
+    or a callable) says how the release stores each tensor (a model adapter's storage kinds);
+    `dtype` "bfloat16" stores fp8/fp4 tensors as bf16, "fp8" quantizes them like the release. Shards
     hold at most `max_shard_bytes` (a single larger tensor gets its own shard); `extra_files`
     (tokenizer files) are copied in. Everything is written to a temp directory that is renamed
     to `out_dir` when complete, so a reader never sees a half-written checkpoint.
     `progress(n)` is called per written tensor.
     """
     if dtype not in ("bfloat16", "fp8"):
-        raise ReleaseFormatError(f"export dtype '{dtype}': expected 'bfloat16' or 'fp8'")
+        raise CheckpointFormatError(f"export dtype '{dtype}': expected 'bfloat16' or 'fp8'")
     storage = kinds.__getitem__ if isinstance(kinds, Mapping) else kinds
     out_dir = Path(out_dir)
     tmp = _prepare_target(out_dir)
@@ -481,7 +489,7 @@ def _encoded(
     """(logical name, stored tensors) per source tensor, in order, encoded ahead on worker
     threads (`load_workers()` of them; torch ops and file writes release the GIL) while the
     caller writes: quantizing overlaps the disk and uses the cores (its byte gathers are serial
-    in torch, so torch ops run single-threaded meanwhile, see `ReleaseReader.concurrent`).
+    in torch, so torch ops run single-threaded meanwhile, see `CheckpointReader.concurrent`).
     Tensors are queued ahead up to `ENCODE_AHEAD_BYTES` of their source bytes (at least
     workers + 1 of them), so a write that waits for a core does not stall the encoders; that
     bounds what is encoded and not yet written."""
@@ -546,7 +554,7 @@ def _write_shards(
                 shard = ShardWriter(path, header_room=_header_room(max_shard_bytes))
             for stored_name, t in encoded:
                 if stored_name in seen:
-                    raise ReleaseFormatError(f"'{stored_name}' given twice to write_release")
+                    raise CheckpointFormatError(f"'{stored_name}' given twice to write_checkpoint")
                 seen.add(stored_name)
                 shard.add(stored_name, t)
             total += size
@@ -576,10 +584,10 @@ def tokenizer_files(directory: str | os.PathLike) -> list[Path]:
 
 __all__ = [
     "FP4_BLOCK",
-    "ReleaseFormatError",
-    "ReleaseReader",
+    "CheckpointFormatError",
+    "CheckpointReader",
     "Storage",
     "WriteSummary",
     "tokenizer_files",
-    "write_release",
+    "write_checkpoint",
 ]

@@ -3,10 +3,10 @@
 DCP stores each of our tensors once under `model.<name>` with its global shape (expert shards
 are dim-0 DTensor shards of the global [E, ...] tensor; pipeline stages hold disjoint names), so
 one process reads them back at any layout. The export streams: one layer's tensors are read at
-a time, renamed and reshaped by the name table (release.py `to_release`), quantized if asked and
-written into bounded shards (release_io.py `write_release`), so memory stays about one layer
-plus one shard. The run's config.yaml (beside the checkpoints or in the run's output dir) gives
-the model config; the tokenizer files of the run travel along.
+a time, renamed and reshaped by the name table (state_dict_adapter.py `to_release`), quantized
+if asked and written into bounded shards (pretrained/save.py `write_release_state`), so memory
+stays about one layer plus one shard. The run's config.yaml (beside the checkpoints or in the
+run's output dir) gives the model config; the tokenizer files of the run travel along.
 """
 
 from __future__ import annotations
@@ -21,17 +21,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+from primus_v4.checkpoint_formats.sharded import ExportDtype, WriteSummary, tokenizer_files
 from primus_v4.config import RunConfig, load_config
+from primus_v4.config.resolve import model_config, tokenizer_of
+from primus_v4.data.tokenizer import resolve_tokenizer_dir
 from primus_v4.errors import PrimusError
 from primus_v4.log import get_logger
-from primus_v4.models.deepseek_v4 import release
+from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
-from primus_v4.models.deepseek_v4.release_io import (
-    ExportDtype,
-    WriteSummary,
-    tokenizer_files,
-    write_release,
-)
+from primus_v4.pretrained.save import write_release_state
 from primus_v4.training.checkpoint import check_layout, find_latest, step_dir
 
 log = get_logger(__name__)
@@ -100,7 +98,7 @@ def _stored_model_tensors(checkpoint: Path) -> dict[str, tuple[torch.Size, torch
 
 
 def _check_names(cfg: DeepseekV4Config, stored: dict, checkpoint: Path) -> None:
-    table = release.name_table(cfg)
+    table = adapter.name_table(cfg)
     missing = [n for n in table if n not in stored]
     unknown = [n for n in stored if n not in table]
     wrong = [
@@ -125,15 +123,13 @@ def _groups(names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def _release_tensors(
-    cfg: DeepseekV4Config, checkpoint: Path, stored: dict
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for group in _groups(list(release.name_table(cfg))):
+def _stored_state(checkpoint: Path, groups: list[list[str]], stored: dict) -> Iterator[dict]:
+    for group in groups:
         state = {n: torch.empty(stored[n][0], dtype=stored[n][1]) for n in group}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's no_dist notice
             dcp.load({"model": state}, checkpoint_id=checkpoint, no_dist=True)
-        yield from release.to_release(cfg, state)
+        yield state
 
 
 def export_checkpoint(
@@ -145,19 +141,14 @@ def export_checkpoint(
     progress: Callable[[int], None] | None = None,
 ) -> WriteSummary:
     """Write `source` as a release directory at `out` (atomic; see the module docstring)."""
-    from primus_v4.config.resolve import model_config, tokenizer_of
-    from primus_v4.data.tokenizer import resolve_tokenizer_dir
-
     cfg = model_config(source.run)
     stored = _stored_model_tensors(source.checkpoint)
     _check_names(cfg, stored, source.checkpoint)
-    kinds = {r.name: r.kind for r in release.release_tensors(cfg).values()}
     tokenizer_dir = resolve_tokenizer_dir(tokenizer_of(source.run))
-    summary = write_release(
+    summary = write_release_state(
+        cfg,
+        _stored_state(source.checkpoint, _groups(list(adapter.name_table(cfg))), stored),
         out,
-        _release_tensors(cfg, source.checkpoint, stored),
-        kinds,
-        release.config_to_release(cfg),
         dtype=dtype,
         max_shard_bytes=max_shard_bytes,
         extra_files=tokenizer_files(tokenizer_dir),
@@ -169,6 +160,4 @@ def export_checkpoint(
 
 def release_tensor_count(source: ExportSource) -> int:
     """How many logical release tensors an export of `source` writes (the progress total)."""
-    from primus_v4.config.resolve import model_config
-
-    return len(release.release_tensors(model_config(source.run)))
+    return len(adapter.release_tensors(model_config(source.run)))

@@ -1,0 +1,30 @@
+"""DeepSeek-V4's `ModelSpec`: how the trainer builds, cuts, loads and updates this model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from primus_v4.models.deepseek_v4.cp_batch import CpSplitter
+from primus_v4.models.deepseek_v4.model import DeepseekV4Model
+from primus_v4.models.deepseek_v4.parallelize import is_meta, parallelize
+from primus_v4.models.deepseek_v4.router_bias import RouterBiasUpdate
+from primus_v4.models.model_spec import ModelSpec, StepHook
+
+
+def _step_hooks(modules: Iterable[nn.Module], section: Any, *, group: Any = None) -> list[StepHook]:
+    """The router bias update (noaux_tc balancing; off at `model.router_bias_update_rate` 0).
+    `section` is the run config's `model` section."""
+    return [RouterBiasUpdate(modules, rate=section.router_bias_update_rate, group=group)]
+
+
+SPEC = ModelSpec(
+    name="deepseek_v4",
+    build=DeepseekV4Model,
+    parallelize=parallelize,
+    is_meta=is_meta,
+    cp_splitter=CpSplitter,
+    step_hooks=_step_hooks,
+)
