@@ -12,7 +12,7 @@ statistics (exact), then per run total / real / supervised tokens per step, real
 fractions, step time, real and supervised tokens/s, an epoch-time estimate, and the THD/BSHD
 ratios.
 
-    python benchmarks/bench_layouts.py                      # alpaca_en_demo.json at seq 4096
+    python benchmarks/bench_layouts.py                   # examples/data/alpaca_demo.json, seq 4096
     python benchmarks/bench_layouts.py --steps 4 --gbs 2 --seq-length 2048
 """
 
@@ -29,7 +29,7 @@ from primus_v4.config import load_config, resolve_run
 from primus_v4.training.metrics import StepMetrics
 from primus_v4.training.trainer import Trainer
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca_en_demo.json"
+DEFAULT_DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "alpaca_demo.json"
 LAYOUTS = ("bshd", "thd")
 HEAD_ROWS = {
     "all": "LM head on all rows (a conventional trainer's work: every row costs the same)",

@@ -1,7 +1,7 @@
 """Packing benchmark: the Rust tokenizer floor vs a cold and a cache-hit `primus-v4 pack`.
 
-Builds an Alpaca-sized corpus (default 52,000 rows: the shared 999 demo rows repeated, each made
-unique), then measures side by side in one run:
+Builds an Alpaca-sized corpus (default 52,000 rows: the 1000 rows of examples/data/alpaca_demo.json
+repeated, each made unique), then measures side by side in one run:
   floor      encode_batch of exactly the texts the pipeline encodes: the DeepSeek-V4 chat-mode
              prompt `BOS <User> prompt <Assistant> </think>` and completion `response EOS` of
              each row (in-process, tokenizer loaded, strings pre-built: the least any pipeline
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO = REPO.parent / "shared" / "data" / "alpaca_en_demo.json"
+DEMO = REPO / "examples" / "data" / "alpaca_demo.json"
 
 
 def make_corpus(path: Path, rows: int) -> list[dict[str, str]]:

@@ -1,12 +1,13 @@
 """The DeepSeek-V4 conversation format: messages -> rendered strings + supervised character spans.
 
-A re-implementation of the release's `encoding_dsv4.py` rendering (see ../shared/FORMAT.md), kept
-message-for-message equal to it, plus the served-context rule that decides what is supervised:
-assistant turn i is served with the prompt `render(messages[:i])`; its completion is
-`render(messages[:i+1])` minus that prompt. The whole conversation is one sample supervising
-every turn whose prompt + completion is a prefix of it; any other supervised turn (thinking mode
-with drop-thinking: reasoning of earlier turns is not rendered) is a sample of its own,
-`render(messages[:i+1])`, supervising only turn i.
+A re-implementation of the release's `encoding/encoding_dsv4.py` rendering (the rules in brief:
+README_thd_packed.md, "The DeepSeek-V4 conversation format"; golden samples of the release
+encoder: tests/fixtures/dsv4_format/), kept message-for-message equal to it, plus the
+served-context rule that decides what is supervised: assistant turn i is served with the prompt
+`render(messages[:i])`; its completion is `render(messages[:i+1])` minus that prompt. The whole
+conversation is one sample supervising every turn whose prompt + completion is a prefix of it;
+any other supervised turn (thinking mode with drop-thinking: reasoning of earlier turns is not
+rendered) is a sample of its own, `render(messages[:i+1])`, supervising only turn i.
 
 Messages here are already normalized (`primus_v4.data.shapes`): plain dicts with `role` and the
 fields below, content always a string (or None), tool calls as {id, name, arguments}.

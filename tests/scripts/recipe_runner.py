@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "run_scripts"
-ALPACA_DEMO = REPO.parent / "shared" / "data" / "alpaca_en_demo.json"
+ALPACA_DEMO = REPO / "examples" / "data" / "alpaca_demo.json"
 
 # Knob names the recipes read; stripped from the inherited environment so a developer's shell
 # cannot change what a test sees.

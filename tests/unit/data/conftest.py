@@ -10,8 +10,8 @@ from primus_v4.data.packed_corpus import PackedCorpus
 from primus_v4.data.pipeline import PackSpec, build_or_load
 from primus_v4.data.tokenizer import TextTokenizer, load_tokenizer, resolve_tokenizer_dir
 
-# Short packs so the 999 demo rows give many packs and some samples (up to ~590 tokens) are
-# truncated.
+# Short packs so the 1000 demo rows (~134 tokens per sample) give many packs and the longest
+# samples (up to ~620 tokens) are truncated.
 DEMO_SEQ_LENGTH = 512
 
 

@@ -1,5 +1,6 @@
-"""Golden samples of the release encoder (../shared/data/dsv4_format): each conversation, packed
-through the whole pipeline in its mode, gives exactly the golden samples (ids and targets)."""
+"""Golden samples of the release encoder (tests/fixtures/dsv4_format, provenance in its README):
+each conversation, packed through the whole pipeline in its mode, gives exactly the golden samples
+(ids and targets)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from primus_v4.data.pipeline import PackSpec, build_or_load
 from primus_v4.data.tokenizer import TextTokenizer
 
-GOLDEN = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "dsv4_format"
+GOLDEN = Path(__file__).resolve().parents[2] / "fixtures" / "dsv4_format"
 GOLDEN_FILES = sorted(GOLDEN.glob("*.json"))
 
 

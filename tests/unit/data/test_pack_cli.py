@@ -53,13 +53,14 @@ def _pack_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_pack_demo_then_cache_hit_without_torch(tmp_path: Path, alpaca_demo: Path) -> None:
+    rows = len(json.loads(alpaca_demo.read_text()))
     stats_path = tmp_path / "stats.json"
     args = ["--data", str(alpaca_demo), "--seq-length", "4096", "--cache-dir", str(tmp_path / "c")]
     cold = _pack_cli(*args, "--stats-json", str(stats_path), "--no-progress", tmp_path=tmp_path)
     assert cold.returncode == 0, cold.stderr
     stats = json.loads(stats_path.read_text())
     assert list(stats)[: len(STATS_KEYS)] == STATS_KEYS
-    assert stats["cache_hit"] is False and stats["num_samples"] == 999
+    assert stats["cache_hit"] is False and stats["num_samples"] == rows
     assert stats["num_packs"] <= -(-stats["real_tokens"] // 4096) + 1
     assert "samples per pack" in cold.stdout and stats["cache_key"] in cold.stdout
 

@@ -18,7 +18,7 @@ from primus_v4.data.tokenizer import EOS_TEXT, TextTokenizer
 
 def test_every_pack_satisfies_the_thd_contract(demo_corpus: PackedCorpus) -> None:
     s = demo_corpus.seq_length
-    assert s == 512 and len(demo_corpus) > 100  # 999 rows of ~130 tokens at 512 per pack
+    assert s == 512 and len(demo_corpus) > 100  # 1000 rows of ~134 tokens at 512 per pack
     for i in range(len(demo_corpus)):
         a = demo_corpus.pack_arrays(i)
         first, stop = demo_corpus.pack_sample_range(i)
@@ -45,12 +45,14 @@ def test_every_pack_satisfies_the_thd_contract(demo_corpus: PackedCorpus) -> Non
         assert a["loss_mask"].sum() > 0
 
 
-def test_each_sample_in_exactly_one_pack(demo_corpus: PackedCorpus) -> None:
+def test_each_sample_in_exactly_one_pack(demo_corpus: PackedCorpus, alpaca_demo: Path) -> None:
     ranges = [demo_corpus.pack_sample_range(i) for i in range(len(demo_corpus))]
     assert ranges[0][0] == 0 and ranges[-1][1] == demo_corpus.num_samples
     assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(ranges))
     rows = [demo_corpus.sample_row(j) for j in range(demo_corpus.num_samples)]
-    assert sorted(rows) == list(range(999))  # the demo has no bad rows and nothing dropped
+    source_rows = len(json.loads(alpaca_demo.read_text()))
+    # One sample per Alpaca row: the demo has no bad rows and nothing is dropped.
+    assert sorted(rows) == list(range(source_rows))
     assert demo_corpus.stats["truncated"] > 0  # some demo rows exceed 512 tokens
 
 

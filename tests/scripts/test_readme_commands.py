@@ -1,0 +1,153 @@
+"""The READMEs' commands run as written. The Flash quick starts resolve under DRY_RUN=1 to a run
+with a checkpoint dir, and their `export --run` is the run dir that recipe writes; the
+fresh-machine command trains the documented default; every `primus-v4 pack` and `train` example
+of README.md's CLI section runs on the in-repo demo corpora (train ones as --dry-run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from recipe_runner import REPO, run_recipe
+
+from primus_v4.cli import build_parser, main
+
+FLASH_BLOCKS = [
+    ("README.md", "Start from DeepSeek-V4-Flash"),
+    ("README_thd_packed.md", "From DeepSeek-V4-Flash to a served fine-tune"),
+]
+
+
+def _section(readme: str, heading: str) -> str:
+    """The text under the first heading (any level) that starts with `heading`, up to the next
+    heading of the same or a higher level (`#` lines inside code blocks are not headings)."""
+    lines = (REPO / readme).read_text(encoding="utf-8").splitlines()
+    level, body, fenced = 0, [], False
+    for line in lines:
+        fenced ^= line.startswith("```")
+        heading_level = len(line) - len(line.lstrip("#")) if not fenced else 0
+        is_heading = heading_level and line[heading_level:].startswith(" ")
+        if level and is_heading and heading_level <= level:
+            break
+        if level:
+            body.append(line)
+        elif is_heading and line[heading_level + 1 :].startswith(heading):
+            level = heading_level
+    assert level, f"{readme}: no section {heading!r}"
+    return "\n".join(body) + "\n"
+
+
+def _commands(readme: str, heading: str) -> list[list[str]]:
+    """The words of each shell command in the section's ```bash blocks (continuation lines
+    joined, comments dropped)."""
+    blocks = re.findall(r"```bash\n(.*?)```", _section(readme, heading), flags=re.DOTALL)
+    assert blocks, f"{readme}, {heading!r}: no bash block"
+    commands = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(words)
+    return commands
+
+
+def _flash_release(tmp_path: Path) -> Path:
+    """A stand-in for the released checkpoint: validation reads only its config.json."""
+    from primus_v4.models.deepseek_v4 import DeepseekV4Config
+    from primus_v4.models.deepseek_v4.release import config_to_release
+
+    flash = tmp_path / "DeepSeek-V4-Flash"
+    flash.mkdir()
+    release = config_to_release(DeepseekV4Config.preset("deepseek_v4_flash"))
+    (flash / "config.json").write_text(json.dumps(release))
+    return flash
+
+
+@pytest.mark.parametrize(("readme", "heading"), FLASH_BLOCKS, ids=[r for r, _ in FLASH_BLOCKS])
+def test_flash_quick_start_exports_the_checkpoint_its_recipe_writes(
+    readme: str, heading: str, tmp_path: Path
+) -> None:
+    commands = _commands(readme, heading)
+    [launch] = [c for c in commands if "bash" in c]
+    at = launch.index("bash")
+    env = dict(word.split("=", 1) for word in launch[:at])
+    script = Path(launch[at + 1])
+    assert script.parent == Path("run_scripts") and (REPO / script).is_file()
+    assert {"PRIMUS_PRETRAINED", "MASTER_ADDR", "NODE_RANK"} <= set(env)
+    env["PRIMUS_PRETRAINED"] = str(_flash_release(tmp_path))
+    # PRIMUS_OUTPUT_DIR empty: the recipe's own default run dir, as the README runs it.
+    r = run_recipe(script.name, tmp_path, **env, PRIMUS_OUTPUT_DIR="").resolved
+    assert r["pretrained"] == env["PRIMUS_PRETRAINED"] and r["model_preset"] is None
+    assert r["nnodes"] * r["gpus_per_node"] == 24 and r["packed"] is True
+    run_dir = Path(r["output_dir"])
+    assert r["checkpoint_dir"] is not None, "the export below needs a checkpoint"
+    assert Path(r["checkpoint_dir"]).is_relative_to(run_dir)
+    exports = [c for c in commands if c[:2] == ["primus-v4", "export"]]
+    assert exports
+    for export in exports:
+        args = build_parser().parse_args(export[1:])
+        # The README's commands run from the repository root.
+        assert REPO / args.run == run_dir, f"{readme}: export --run {args.run}, run dir {run_dir}"
+
+
+def test_fresh_machine_command_trains_the_documented_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    [command] = _commands("README.md", "Fresh machine")[:1]
+    steps = " ".join(command).split(" && ")
+    assert steps[-1] == "primus-v4 train"
+    assert "pip install torch==2.13.0" in steps and "pip install ." in steps
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--dry-run"]) == 0
+    cfg = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # What the README says this command does: the tiny model, 30 steps, the embedded synthetic
+    # corpus packed into 4096-token rows, written to outputs/tiny_cpu_thd/.
+    assert cfg["model"]["preset"] == "tiny" and cfg["train"]["steps"] == 30
+    assert cfg["data"]["path"] == "synthetic" and cfg["data"]["layout"] == "thd"
+    assert cfg["data"]["seq_length"] == 4096 and cfg["output"]["dir"] == "outputs/tiny_cpu_thd"
+
+
+def _cli_examples(subcommand: str) -> list[list[str]]:
+    commands = _commands("README.md", "Using the CLI")
+    found = [c[1:] for c in commands if c[:2] == ["primus-v4", subcommand]]
+    assert found, f"README.md, Using the CLI: no primus-v4 {subcommand} example"
+    return found
+
+
+def test_cli_pack_examples_pack_the_demo_corpora(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(REPO)
+    for argv in _cli_examples("pack"):
+        paths = [argv[i + 1].split("::")[0] for i, w in enumerate(argv) if w == "--data"]
+        assert all(p.startswith("examples/data/") and (REPO / p).is_file() for p in paths), paths
+        stats = tmp_path / "stats.json"
+        extra = ["--cache-dir", str(tmp_path / "c"), "--lock-dir", str(tmp_path / "l")]
+        assert main([*argv, *extra, "--no-progress", "--stats-json", str(stats)]) == 0, argv
+        capsys.readouterr()
+        got = json.loads(stats.read_text())
+        assert got["bad_rows"] == {} and got["dropped"] == 0 and got["num_packs"] > 0, argv
+
+
+def test_cli_train_examples_validate(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(REPO)
+    for argv in _cli_examples("train"):
+        dry = argv if "--dry-run" in argv else [*argv, "--dry-run"]
+        assert main(dry) == 0, f"primus-v4 {shlex.join(argv)}: {capsys.readouterr().err}"
+        capsys.readouterr()
+
+
+def test_benchmarks_default_to_the_demo_corpus() -> None:
+    # `python benchmarks/bench_layouts.py` (README.md, Using the CLI) reads no data outside REPO.
+    for name, attr in (("bench_layouts", "DEFAULT_DATA"), ("bench_packing", "DEMO")):
+        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        data = Path(getattr(module, attr))
+        assert data.is_file() and data.is_relative_to(REPO), f"{name}.{attr} = {data}"
