@@ -1,7 +1,7 @@
 """Gradient reduction across data-parallel replicas (DP x CP) and expert-data-parallel replicas.
 
 The loss is a token mean whose denominator is summed over micro-batches, DP and CP ranks before
-backward (DESIGN section 3), so each rank's backward yields its share of the *global* gradient:
+backward (docs/DESIGN.md section 3), so each rank's backward yields its share of the *global* gradient:
 replicas must SUM, never average (DDP's default average would divide by dp x cp).
 
 Which group a parameter reduces over:

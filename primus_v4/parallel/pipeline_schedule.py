@@ -15,7 +15,7 @@ model on meta tensors, which the data-dependent layout code cannot do.
 Schedule1F1B needs M >= pp (its warmup holds pp - rank forwards in flight); with fewer packs per
 step we fall back to ScheduleGPipe (all forwards, then all backwards), which is exact too.
 `scale_grads=False`: the step objective is already normalized by global token counts
-(DESIGN.md section 3), so the schedule must not divide gradients by M again.
+(docs/DESIGN.md section 3), so the schedule must not divide gradients by M again.
 
 Loss: the last stage returns (main CE sum, MTP CE sums, aux) per micro-batch and the loss
 function is the trainer's `StepLoss.objective`; non-last stages add their balance loss to the

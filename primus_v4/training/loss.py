@@ -1,6 +1,6 @@
 """Step objective: token-mean over supervised tokens with a denominator summed over the step.
 
-DESIGN.md section 3: the loss of a step is sum(CE over every supervised token of the global
+docs/DESIGN.md section 3: the loss of a step is sum(CE over every supervised token of the global
 batch) / (number of those tokens). The count is taken up front from the batches' loss masks and
 summed over micro-batches (and over DP/CP ranks when a group is given), so each micro-batch
 backpropagates `loss_sum / N` and the accumulated gradient equals the one-shot gradient no matter

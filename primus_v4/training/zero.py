@@ -3,7 +3,7 @@
 Legend: n = ranks of a parameter's replica axis, N = a parameter's numel, c = ceil(N / n) its
 chunk, S = one rank's segment of a bucket (sum of its parameters' chunks).
 
-Per parameter (DESIGN.md section 9):
+Per parameter (docs/DESIGN.md section 9):
   * gradients accumulate in fp32 over the step's micro-batches: a post-accumulate-grad hook adds
     each micro-batch's gradient (bf16 or fp32) into an fp32 bucket buffer and frees `p.grad`
     (`grad_dtype` float64 instead: see "Split-independent sums" below);

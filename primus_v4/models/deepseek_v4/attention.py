@@ -4,7 +4,7 @@ Legend: T = rows on this rank, Dh = hidden, H = heads, D = head dim (= kv_channe
 rank, G = output groups, O = o_lora rank, W = sliding window, P = compact compressed windows of
 the pack, K = indexer top-k, N = key-buffer rows (W - 1 boundary + T local + P compressed).
 
-Math (DESIGN.md section 5):
+Math (docs/DESIGN.md section 5):
 - q: hidden -> Q -> RMSNorm -> H x D, then a parameter-free RMS norm per head.
 - kv: one latent hidden -> D -> RMSNorm, used as both key and value (single-KV-head MQA).
 - RoPE (rope.py) on the last rope-dim channels of q and kv at `positions_T`; dense layers use

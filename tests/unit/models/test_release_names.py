@@ -18,7 +18,7 @@ from primus_v4.models.deepseek_v4 import state_dict_adapter as rel
 from primus_v4.models.deepseek_v4.checkpoint_config import FIELDS as RELEASE_FIELDS
 from primus_v4.pretrained import load_pretrained
 
-# DeepSeek-V4-Flash's config.json keys (DESIGN.md section 5; HF DeepseekV4Config defaults, which
+# DeepSeek-V4-Flash's config.json keys (docs/DESIGN.md section 5; HF DeepseekV4Config defaults, which
 # are the Flash release: 256 experts top-6, hidden 4096, 43 layers, routed_scaling_factor 1.5,
 # index_topk 512; RoPE 10000 dense, 160000 + YaRN 16 compressed; 1 MTP slot, dense).
 FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0]
