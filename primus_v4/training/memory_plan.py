@@ -102,7 +102,6 @@ def measure_saved_bytes(cfg: Any, seq: int) -> dict[tuple[str, str], float]:
     except the CE's [V, D] gradient (counted from the code)."""
     from primus_v4.data.thd import to_packed_seq_params
     from primus_v4.models.deepseek_v4 import DeepseekV4Model
-    from primus_v4.training.batches import ThdBatch  # noqa: F401  (ThdBatch lives in data.thd)
 
     torch.manual_seed(0)
     model = DeepseekV4Model(cfg)
@@ -230,7 +229,7 @@ def _stage_of(name: str, specs: list[Any], has_mtp: bool) -> set[int]:
 
 def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]) -> None:
     """Weights, fp32 gradient buckets, masters and moments of one stage's parameters."""
-    from primus_v4.training.optim import pick_offloaded
+    from primus_v4.training.zero import pick_offloaded
 
     sizes, cfg, d = run.sizes, run.cfg, _dtype_bytes(run)
     dp_cp = sizes.world // (sizes.pp * sizes.cp) * sizes.cp
@@ -243,8 +242,7 @@ def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]
         chunks.append(c)
         padded += n * c
         shards += c if n > 1 else 0
-    host = pick_offloaded([torch.empty(c, device="meta") for c in chunks],
-                          cfg.optim.offload_fraction)  # fmt: skip
+    host = pick_offloaded(chunks, cfg.optim.offload_fraction)
     on_host = sum(chunks[i] for i in host)
     on_dev = sum(chunks) - on_host
     plan.add(f"weights ({cfg.model.dtype})", weights)
