@@ -153,3 +153,13 @@ def test_a_checkpoint_of_another_model_layout_is_refused_by_name(tmp_path: Path)
         CheckpointManager(tmp_path, interval=3).load_latest(**state)
     after = state["model"].parameters()
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_plain_torch_optimizer_is_refused_by_name(tmp_path: Path) -> None:
+    import pytest
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"ShardedAdamW, not of AdamW"):
+        checkpoint.save(
+            tmp_path, step=1, model=model, optimizer=torch.optim.AdamW(model.parameters())
+        )
