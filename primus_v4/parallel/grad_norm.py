@@ -1,21 +1,18 @@
-"""Global gradient norm and clipping when parameters are split over ranks (PP stages, EP shards).
+"""Global gradient norm when each gradient element lives on exactly one rank.
 
-Each parameter must count once in the global norm:
-  * replicated over DP x CP (after `data_parallel.sum_gradients` every replica holds the same
-    gradient): counted from the local copy, never summed over DP x CP;
-  * split over pipeline stages: squares summed over the PP group; the last stage's MTP copy of
-    the embedding (tagged `pipeline_duplicate`) is skipped, its gradient equals the first's;
-  * expert shards (tagged `expert_parallel`): squares summed over the EP group first.
-Clipping then scales every local gradient by the same factor, as torch's clip_grad_norm_ does.
+After the sharded optimizer's reduce-scatter (training.zero) rank r holds the summed gradient of
+its own chunks only, so every element counts once when the squares are summed:
+  * chunks of replicated parameters over DP x CP (the replicas own disjoint chunks);
+  * chunks of expert shards over expert-DP (the chunks of one shard), then over EP (the shards);
+  * the per-stage totals over the PP group. The caller leaves out the last stage's MTP copy of
+    the embedding (tagged `pipeline_duplicate`): its gradient equals the first stage's copy.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from primus_v4.parallel.data_parallel import is_expert_param
 from primus_v4.parallel.groups import ParallelContext
 
 _CHUNK = 1 << 24  # elements cast to float64 at once: 128 MiB, never a float64 embedding copy
@@ -33,21 +30,19 @@ def square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[nn.Parameter], ctx: ParallelContext, max_norm: float) -> float:
-    """Clip to `max_norm` by the global norm over all ranks' parameters; returns that norm."""
-    with_grad = [p for p in params if p.grad is not None]
-    dense = [p.grad for p in with_grad if not is_expert_param(p)
-             and not getattr(p, "pipeline_duplicate", False)]  # fmt: skip
-    experts = [p.grad for p in with_grad if is_expert_param(p)]
+def global_grad_norm(
+    dense: list[torch.Tensor], experts: list[torch.Tensor], ctx: ParallelContext
+) -> float:
+    """L2 norm over every rank's owned gradient chunks: `dense` of replicated parameters,
+    `experts` of expert shards (module docstring)."""
     expert_sq = square_sum(experts, ctx.device)
-    if ctx.ep.size > 1:
-        dist.all_reduce(expert_sq, group=ctx.ep.group)
-    total_sq = square_sum(dense, ctx.device) + expert_sq
+    for axis in (ctx.expert_dp, ctx.ep):
+        if axis.size > 1:
+            dist.all_reduce(expert_sq, group=axis.group)
+    dense_sq = square_sum(dense, ctx.device)
+    if ctx.dp_cp.size > 1:
+        dist.all_reduce(dense_sq, group=ctx.dp_cp.group)
+    total_sq = dense_sq + expert_sq
     if ctx.pp.size > 1:
         dist.all_reduce(total_sq, group=ctx.pp.group)
-    norm = float(total_sq.sqrt())
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for p in with_grad:
-            p.grad.mul_(coef)
-    return norm
+    return float(total_sq.sqrt())

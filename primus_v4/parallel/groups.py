@@ -168,28 +168,12 @@ class ParallelContext:
         )
 
     @property
-    def pp_group(self) -> dist.ProcessGroup | None:
-        return self.pp.group
-
-    @property
     def cp_group(self) -> dist.ProcessGroup | None:
         return self.cp.group
 
     @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        return self.dp.group
-
-    @property
     def dp_cp_group(self) -> dist.ProcessGroup | None:
         return self.dp_cp.group
-
-    @property
-    def ep_group(self) -> dist.ProcessGroup | None:
-        return self.ep.group
-
-    @property
-    def expert_dp_group(self) -> dist.ProcessGroup | None:
-        return self.expert_dp.group
 
     @property
     def is_first_stage(self) -> bool:

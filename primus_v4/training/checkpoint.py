@@ -13,14 +13,14 @@ The directory must be on a filesystem every rank sees (shared storage for multi-
 
 Per-rank values (RNG states, data position) are stored under a `rank{r}` key, because DCP saves
 one copy of every key it believes replicated. Resume expects the same pipeline and expert layout;
-the trainer's sharded optimizer state (training.zero_state) also resumes into another DP size.
+the sharded optimizer's state (training.zero_state) also resumes into another DP size.
 
 Expert-parallel shards (parameters tagged by `parallel.expert_parallel.shard_moe`) have the same
-local name on every EP rank but different rows; they and their optimizer moments are saved as
-DTensors sharded on dim 0 over the EP group, so the checkpoint holds each global [E, ...] tensor
-once (EP replicas over expert-DP are deduplicated like any replicated key) and a load hands every
-rank its own rows back. Pipeline stages need nothing special: their parameter names are disjoint
-except the MTP copy of the embedding, which is identical on both stages.
+local name on every EP rank but different rows; they are saved as DTensors sharded on dim 0 over
+the EP group (their optimizer chunks too, by zero_state), so the checkpoint holds each global
+[E, ...] tensor once (EP replicas over expert-DP are deduplicated like any replicated key) and a
+load hands every rank its own rows back. Pipeline stages need nothing special: their parameter
+names are disjoint except the MTP copy of the embedding, which is identical on both stages.
 """
 
 from __future__ import annotations
@@ -34,20 +34,14 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from primus_v4.durable import fsync_dir, write_durable
 from primus_v4.errors import PrimusError
@@ -57,11 +51,11 @@ from primus_v4.training.checkpoint_integrity import newest_intact
 from primus_v4.training.zero import ShardedAdamW
 from primus_v4.training.zero_state import load_optimizer_state, optimizer_state
 
+if TYPE_CHECKING:
+    from primus_v4.training.zero import ShardedAdamW
+
 log = get_logger(__name__)
 
-# Flat optimizer keys ("state.<param>.exp_avg", "param_groups.<param>.lr"): with the nested form,
-# pipeline stages would write different `param_groups` lists under one key and DCP keeps one.
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 # What the model tensors of a checkpoint mean. 2: the released architecture (gate bias, tid2eid,
@@ -135,7 +129,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def _train_state(
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: ShardedAdamW | None,
     scheduler: Any | None,
     data: Stateful | None,
 ) -> dict[str, Any]:
@@ -143,13 +137,11 @@ def _train_state(
     with warnings.catch_warnings():
         # DCP warns about features (e.g. sharded tensors) this code does not use.
         warnings.simplefilter("ignore")
-        if optimizer is not None and not _is_sharded(optimizer):
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-        else:
-            model_sd, optim_sd = get_model_state_dict(model, options=_OPTIONS), {}
-    _experts_as_dtensors(model, model_sd, optim_sd)
-    if optimizer is not None and _is_sharded(optimizer):
-        optim_sd = optimizer_state(optimizer)  # its chunks are DTensors already
+        model_sd = get_model_state_dict(model)
+    _experts_as_dtensors(model, model_sd)
+    optim_sd: dict[str, Any] = {}
+    if optimizer is not None:
+        optim_sd = optimizer_state(_sharded(optimizer))  # its chunks are DTensors already
     per_rank: dict[str, Any] = {"rng": _rng_state()}
     if data is not None:
         per_rank["data"] = data.state_dict()
@@ -162,15 +154,18 @@ def _train_state(
     }
 
 
-def _is_sharded(optimizer: Any) -> bool:
-    """The trainer's ZeRO-1 optimizer (training.zero): its state is keyed and sharded by us."""
-    return isinstance(optimizer, ShardedAdamW)
+def _sharded(optimizer: Any) -> ShardedAdamW:
+    """The trainer's optimizer (training.zero), whose state zero_state keys and shards."""
+    if not isinstance(optimizer, ShardedAdamW):
+        raise TypeError(
+            f"checkpoints hold the state of training.zero.ShardedAdamW, not of "
+            f"{type(optimizer).__name__}: build the optimizer with build_sharded_optimizer"
+        )
+    return optimizer
 
 
-def _experts_as_dtensors(
-    model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any]
-) -> None:
-    """Wrap expert-parallel shards (and their optimizer moments) as dim-0 DTensor shards."""
+def _experts_as_dtensors(model: nn.Module, model_sd: dict[str, Any]) -> None:
+    """Wrap expert-parallel shards as dim-0 DTensor shards."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -183,19 +178,11 @@ def _experts_as_dtensors(
             meshes[id(group)] = DeviceMesh.from_group(group, p.device.type)
         mesh = meshes[id(group)]
 
-        def shard(t: Any, p: torch.Tensor = p, mesh: DeviceMesh = mesh) -> Any:
-            if not isinstance(t, torch.Tensor) or t.shape != p.shape:
-                return t  # AdamW's step counter: a replicated scalar
-            return DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
-
-        model_sd[name] = shard(model_sd[name])
-        prefix = f"state.{name}."  # flat optimizer keys (see _OPTIONS)
-        for key in [k for k in optim_sd if k.startswith(prefix)]:
-            optim_sd[key] = shard(optim_sd[key])
+        model_sd[name] = DTensor.from_local(model_sd[name], mesh, [Shard(0)], run_check=False)
 
 
 def _local_tensors(tree: Any) -> Any:
-    """DTensor shards back to this rank's plain tensors (what set_state_dict expects)."""
+    """DTensor shards back to this rank's plain tensors (what set_model_state_dict expects)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(tree, DTensor):
@@ -210,7 +197,7 @@ def save(
     *,
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: ShardedAdamW | None = None,
     scheduler: Any | None = None,
     data: Stateful | None = None,
     extra_files: dict[str, str] | None = None,
@@ -289,7 +276,7 @@ def load_latest(
     root: str | Path,
     *,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: ShardedAdamW | None = None,
     scheduler: Any | None = None,
     data: Stateful | None = None,
     path: Path | None = None,
@@ -326,17 +313,9 @@ def load_latest(
         ) from err
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if optimizer is not None and _is_sharded(optimizer):
-            set_model_state_dict(model, _local_tensors(state["model"]), options=_OPTIONS)
-            load_optimizer_state(optimizer, state["optim"])
-        else:
-            set_state_dict(
-                model,
-                optimizer if optimizer is not None else [],
-                model_state_dict=_local_tensors(state["model"]),
-                optim_state_dict=_local_tensors(state["optim"]),
-                options=_OPTIONS,
-            )
+        set_model_state_dict(model, _local_tensors(state["model"]))
+    if optimizer is not None:
+        load_optimizer_state(_sharded(optimizer), state["optim"])
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
     if data is not None and key in state:

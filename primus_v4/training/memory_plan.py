@@ -29,6 +29,14 @@ from typing import Any
 
 import torch
 
+from primus_v4.data.packed_corpus import layout, to_thd_batch
+from primus_v4.data.thd import to_packed_seq_params
+from primus_v4.models.deepseek_v4 import DeepseekV4Model
+from primus_v4.parallel.data_parallel import BUCKET_BYTES
+from primus_v4.parallel.pipeline_layout import plan_stages
+from primus_v4.training.trainer import build_model
+from primus_v4.training.zero import pick_offloaded
+
 GIB = 2**30
 DEVICES_GB = {"MI300X": 192.0, "MI308X": 192.0, "MI355X": 288.0}
 
@@ -100,10 +108,6 @@ def measure_saved_bytes(cfg: Any, seq: int) -> dict[tuple[str, str], float]:
     """Saved-for-backward bytes of one forward of `cfg` (float32, CPU) on one sample of `seq`
     tokens, by (layer kind, role); kind `model` holds what is outside the decoder layers,
     except the CE's [V, D] gradient (counted from the code)."""
-    from primus_v4.data.thd import to_packed_seq_params
-    from primus_v4.models.deepseek_v4 import DeepseekV4Model
-    from primus_v4.training.batches import ThdBatch  # noqa: F401  (ThdBatch lives in data.thd)
-
     torch.manual_seed(0)
     model = DeepseekV4Model(cfg)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -151,8 +155,6 @@ def measure_saved_bytes(cfg: Any, seq: int) -> dict[tuple[str, str], float]:
 
 def _one_sample(seq: int) -> Any:
     import numpy as np
-
-    from primus_v4.data.packed_corpus import layout, to_thd_batch
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 500, size=seq)
@@ -230,8 +232,6 @@ def _stage_of(name: str, specs: list[Any], has_mtp: bool) -> set[int]:
 
 def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]) -> None:
     """Weights, fp32 gradient buckets, masters and moments of one stage's parameters."""
-    from primus_v4.training.optim import pick_offloaded
-
     sizes, cfg, d = run.sizes, run.cfg, _dtype_bytes(run)
     dp_cp = sizes.world // (sizes.pp * sizes.cp) * sizes.cp
     expert_dp = sizes.world // (sizes.ep * sizes.pp)
@@ -243,8 +243,7 @@ def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]
         chunks.append(c)
         padded += n * c
         shards += c if n > 1 else 0
-    host = pick_offloaded([torch.empty(c, device="meta") for c in chunks],
-                          cfg.optim.offload_fraction)  # fmt: skip
+    host = pick_offloaded(chunks, cfg.optim.offload_fraction)
     on_host = sum(chunks[i] for i in host)
     on_dev = sum(chunks) - on_host
     plan.add(f"weights ({cfg.model.dtype})", weights)
@@ -261,8 +260,6 @@ def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]
     biggest = max(numel for _, numel, _ in params)
     # A parameter's own-dtype gradient lives until its hook adds it to the bucket.
     plan.add("one parameter's own-dtype gradient", biggest * d, phase="backward")
-    from primus_v4.parallel.data_parallel import BUCKET_BYTES
-
     # The step: AdamW's denominator temporary of the largest chunk; the all-gather after it holds
     # one bucket's send and receive buffers (a bucket closes past BUCKET_BYTES of fp32 grads).
     bucket = min(weights, BUCKET_BYTES * d / 4 + biggest * d)
@@ -317,9 +314,6 @@ def plan_memory(
 ) -> list[MemoryPlan]:
     """One `MemoryPlan` per pipeline stage for the resolved `run` (its world size and layout).
     `supervised_fraction` of a pack's rows reach the LM head (1.0: the worst case)."""
-    from primus_v4.parallel.pipeline_layout import plan_stages
-    from primus_v4.training.trainer import build_model
-
     cfg, sizes = run.model, run.sizes
     model = build_model(run)
     specs = plan_stages(pp=sizes.pp, num_layers=cfg.num_layers,

@@ -56,11 +56,32 @@ from torch.optim import AdamW, Optimizer
 
 from primus_v4.errors import ConfigError
 from primus_v4.log import get_logger
-from primus_v4.parallel.data_parallel import BUCKET_BYTES, is_expert_param
+from primus_v4.parallel.data_parallel import BUCKET_BYTES, is_expert_param, replica_axis
+from primus_v4.parallel.grad_norm import global_grad_norm
 from primus_v4.parallel.groups import Axis, ParallelContext
-from primus_v4.training.optim import _no_decay, pick_offloaded
+from primus_v4.training.lr_schedule import warmup_cosine
 
 log = get_logger(__name__)
+
+
+def no_decay(name: str, param: torch.Tensor) -> bool:
+    """Norm gains, biases and other vectors are not weight-decayed (decay pulls gains to 0)."""
+    return param.ndim < 2 or name.endswith(".bias") or "norm" in name.lower()
+
+
+def pick_offloaded(numels: list[int], fraction: float) -> set[int]:
+    """Indices of the chunks kept on the host: largest first, while they fit in fraction x the
+    total numel (also what the memory plan counts)."""
+    total = sum(numels)
+    budget = fraction * total
+    chosen: set[int] = set()
+    used = 0
+    # Largest-first reaches the budget with the fewest tensors (fewer, larger host copies).
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        if used + numels[i] <= budget + 1e-9 * total:
+            chosen.add(i)
+            used += numels[i]
+    return chosen
 
 
 @dataclass(kw_only=True, eq=False)
@@ -175,13 +196,15 @@ class ShardedAdamW(Optimizer):
                 "optim.grad_reduce_dtype to one of them"
             )
         self.grad_dtype = grad_dtype
+        if not 0.0 <= offload_fraction <= 1.0:
+            raise ConfigError(f"optim.offload_fraction must be in [0, 1], got {offload_fraction}")
         slots = [
-            Slot(name=n, param=p, group=int(_no_decay(n, p)), expert=is_expert_param(p))
+            Slot(name=n, param=p, group=int(no_decay(n, p)), expert=is_expert_param(p))
             for n, p in named
             if p.requires_grad
         ]
         if not slots:
-            raise ConfigError("build_optimizer got no trainable parameters")
+            raise ConfigError("ShardedAdamW got no trainable parameters (all requires_grad=False)")
         self.slots = slots
         self.buckets = self._layout(bucket_bytes, deferred or (lambda p: False))
         hyper = {"lr": lr, "betas": betas, "eps": eps}
@@ -209,7 +232,7 @@ class ShardedAdamW(Optimizer):
         buckets: list[Bucket] = []
         current: dict[bool, Bucket] = {}
         for slot in reversed(self.slots):
-            axis = self.ctx.expert_dp if slot.expert else self.ctx.dp_cp
+            axis = replica_axis(slot.param, self.ctx)
             b = current.get(slot.expert)
             n = axis.size
             slot.chunk = -(-slot.numel // n)
@@ -241,7 +264,7 @@ class ShardedAdamW(Optimizer):
 
     def _make_masters(self, offload_fraction: float) -> set[int]:
         """fp32 master chunks; the largest ones (by numel) up to the fraction live on the host."""
-        chunks = [torch.empty(s.size, device="meta") for s in self.slots]
+        chunks = [s.size for s in self.slots]
         host = {id(self.slots[i]) for i in pick_offloaded(chunks, offload_fraction)}
         for s in self.slots:
             own = s.param.detach().view(-1)[s.lo : s.hi]
@@ -380,24 +403,12 @@ class ShardedAdamW(Optimizer):
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global grad norm over every rank's owned chunks (float64), then clip them."""
-        from primus_v4.parallel.grad_norm import square_sum
-
-        ctx = self.ctx
+        """Global grad norm over every rank's owned chunks (parallel.grad_norm), then clip them
+        to `max_norm` as torch's clip_grad_norm_ does; returns the norm before clipping."""
         dense = [s.grad for s in self.slots if not s.expert
                  and not getattr(s.param, "pipeline_duplicate", False)]  # fmt: skip
         experts = [s.grad for s in self.slots if s.expert]
-        expert_sq = square_sum(experts, ctx.device)
-        for axis in (ctx.expert_dp, ctx.ep):
-            if axis.size > 1:
-                dist.all_reduce(expert_sq, group=axis.group)
-        dense_sq = square_sum(dense, ctx.device)
-        if ctx.dp_cp.size > 1:
-            dist.all_reduce(dense_sq, group=ctx.dp_cp.group)
-        total_sq = dense_sq + expert_sq
-        if ctx.pp.size > 1:
-            dist.all_reduce(total_sq, group=ctx.pp.group)
-        norm = float(total_sq.sqrt())
+        norm = global_grad_norm(dense, experts, self.ctx)
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for s in self.slots:
@@ -492,12 +503,10 @@ def build_sharded_optimizer(
     `total_steps` (default train.steps; the trainer passes the steps train.epochs derives)."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    from primus_v4.training.optim import check_hyperparams, warmup_cosine
-
     t, o = run.cfg.train, run.cfg.optim
     steps = total_steps or t.steps
-    check_hyperparams(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=steps,
-                      offload_fraction=o.offload_fraction)  # fmt: skip
+    schedule = warmup_cosine(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+                             total_steps=steps)  # fmt: skip
     optimizer = ShardedAdamW(
         list(model.named_parameters()),
         ctx or ParallelContext.single(next(model.parameters()).device),
@@ -512,6 +521,4 @@ def build_sharded_optimizer(
         deferred=lambda p: bool(getattr(p, "pipeline_tied", False)),
         grad_dtype=getattr(torch, o.grad_reduce_dtype),
     )
-    schedule = warmup_cosine(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
-                             total_steps=steps)  # fmt: skip
     return optimizer, LambdaLR(optimizer, schedule)

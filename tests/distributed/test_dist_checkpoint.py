@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from harness import run_ranks
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
+from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
 from primus_v4.training.checkpoint import CheckpointManager
-from primus_v4.training.optim import build_optimizer
+from primus_v4.training.lr_schedule import warmup_cosine
+from primus_v4.training.zero import ShardedAdamW
 
 
 class RankData:
@@ -30,18 +32,13 @@ class RankData:
         self.position = state["position"]
 
 
-def _state(rank: int, seed: int) -> dict:
+def _state(ctx, rank: int, seed: int) -> dict:
     torch.manual_seed(seed)  # replicas start equal; DP keeps them equal
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 1))
-    opt, sched = build_optimizer(
-        model.named_parameters(),
-        lr=1e-2,
-        min_lr=1e-3,
-        warmup_steps=1,
-        total_steps=6,
-        weight_decay=0.1,
-        offload_fraction=0.5,
-    )
+    # Optimizer state sharded over the two replicas (each rank owns half of every parameter).
+    opt = ShardedAdamW(list(model.named_parameters()), ctx, lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                       weight_decay=0.1, offload_fraction=0.5)  # fmt: skip
+    sched = LambdaLR(opt, warmup_cosine(lr=1e-2, min_lr=1e-3, warmup_steps=1, total_steps=6))
     torch.manual_seed(1000 + rank)  # dropout masks differ per rank: RNG state is per rank
     return {"model": model, "optimizer": opt, "scheduler": sched, "data": RankData(rank)}
 
@@ -49,14 +46,12 @@ def _state(rank: int, seed: int) -> dict:
 def _train(state: dict, start: int, stop: int, manager: CheckpointManager | None) -> list[float]:
     losses = []
     for step in range(start, stop):
+        state["optimizer"].zero_grad()
         loss = state["model"](state["data"].next()).pow(2).mean()
         loss.backward()
-        for p in state["model"].parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
+        state["optimizer"].reduce_gradients()  # summed over both replicas
         state["optimizer"].step()
         state["scheduler"].step()
-        state["optimizer"].zero_grad(set_to_none=True)
         losses.append(loss.item())
         if manager is not None:
             manager.maybe_save(step + 1, final=step + 1 == stop, **state)
@@ -64,12 +59,15 @@ def _train(state: dict, start: int, stop: int, manager: CheckpointManager | None
 
 
 def _resume(rank: int, world: int, root: str) -> tuple[list[float], list[float]]:
-    reference = _train(_state(rank, 0), 0, 6, None)
-    first = _train(_state(rank, 0), 0, 3, CheckpointManager(root, interval=3))
-    state = _state(rank, 42)
+    ctx = init_parallel(ParallelDims(world=world), backend="gloo")
+    reference = _train(_state(ctx, rank, 0), 0, 6, None)
+    first = _train(_state(ctx, rank, 0), 0, 3, CheckpointManager(root, interval=3))
+    state = _state(ctx, rank, 42)
     manager = CheckpointManager(root, interval=3)
     assert manager.load_latest(**state) == 3
-    return reference, first + _train(state, 3, 6, manager)
+    resumed = first + _train(state, 3, 6, manager)
+    destroy_parallel()
+    return reference, resumed
 
 
 def test_two_rank_resume(tmp_path: Path) -> None:

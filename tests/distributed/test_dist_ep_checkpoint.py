@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from harness import run_ranks
+from torch.optim.lr_scheduler import LambdaLR
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"))
 from train_fakes import RAGGED_PACKS, TEST_VOCAB, FakeCorpus
@@ -20,10 +21,10 @@ from train_fakes import RAGGED_PACKS, TEST_VOCAB, FakeCorpus
 from primus_v4.data.thd import to_packed_seq_params
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
 from primus_v4.models.deepseek_v4.parallelize import apply_expert_parallel
-from primus_v4.parallel.data_parallel import sum_gradients
 from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
 from primus_v4.training.checkpoint import CheckpointManager
-from primus_v4.training.optim import build_optimizer
+from primus_v4.training.lr_schedule import warmup_cosine
+from primus_v4.training.zero import ShardedAdamW
 
 EXPERT = "layers.1.moe.w_down"  # a top-k routed layer's expert weight, [E, D, F] globally
 
@@ -36,10 +37,9 @@ def _state(ctx, seed: int) -> dict:
     torch.manual_seed(seed)
     model = DeepseekV4Model(_cfg())
     apply_expert_parallel(model, ctx.ep)
-    opt, sched = build_optimizer(
-        model.named_parameters(), lr=1e-2, min_lr=1e-3, warmup_steps=1, total_steps=6,
-        weight_decay=0.1, offload_fraction=0.5,
-    )  # fmt: skip
+    opt = ShardedAdamW(list(model.named_parameters()), ctx, lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                       weight_decay=0.1, offload_fraction=0.5)  # fmt: skip
+    sched = LambdaLR(opt, warmup_cosine(lr=1e-2, min_lr=1e-3, warmup_steps=1, total_steps=6))
     return {"model": model, "optimizer": opt, "scheduler": sched}
 
 
@@ -47,16 +47,16 @@ def _train(ctx, state: dict, start: int, stop: int, manager) -> list[float]:
     corpus, losses = FakeCorpus(RAGGED_PACKS), []
     for step in range(start, stop):
         row = corpus.thd_batch((2 * step + ctx.rank) % len(corpus))  # DP: a pack per rank
+        state["optimizer"].zero_grad()
         out = state["model"](
             row.input_ids_S[None], row.position_ids_S[None],
             packed_seq_params=to_packed_seq_params(row), labels=row.labels_S[None],
             loss_mask=row.loss_mask_S[None], padding_mask=row.padding_mask_S[None],
         )  # fmt: skip
-        (out.loss + 0.1 * out.mtp_loss + out.aux_loss).backward()  # every parameter gets a grad
-        sum_gradients(list(state["model"].parameters()), ctx)
+        (out.loss + 0.1 * out.mtp_loss + out.aux_loss).backward()
+        state["optimizer"].reduce_gradients()  # over DP; expert shards have no replica at ep 2
         state["optimizer"].step()
         state["scheduler"].step()
-        state["optimizer"].zero_grad(set_to_none=True)
         losses.append(out.loss.item())
         if manager is not None:
             manager.maybe_save(step + 1, final=step + 1 == stop, **state)

@@ -46,6 +46,7 @@ def fp8_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _load_rank(rank: int, world: int, directory: str, ckpt_root: str) -> dict:
     from primus_v4.models.deepseek_v4 import DeepseekV4Model
     from primus_v4.training.checkpoint import save
+    from primus_v4.training.zero import ShardedAdamW
 
     ctx = init_parallel(ParallelDims(world=world, pp=2, ep=2), backend="gloo")
     try:
@@ -58,7 +59,9 @@ def _load_rank(rank: int, world: int, directory: str, ckpt_root: str) -> dict:
         )  # fmt: skip
         model = done.model
         # the layout's DCP checkpoint, exported below (with an optimizer, as the trainer saves)
-        save(ckpt_root, step=1, model=model, optimizer=torch.optim.AdamW(model.parameters()))
+        opt = ShardedAdamW(list(model.named_parameters()), ctx, lr=1e-3, betas=(0.9, 0.95),
+                           eps=1e-8, weight_decay=0.0, offload_fraction=0.0)  # fmt: skip
+        save(ckpt_root, step=1, model=model, optimizer=opt)
         return {
             "pp": ctx.pp.rank,
             "ep": ctx.ep.rank,

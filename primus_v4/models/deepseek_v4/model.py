@@ -30,7 +30,7 @@ from primus_v4.models.deepseek_v4.weight_init import drawn_values, init_buffers,
 
 @dataclass(kw_only=True)
 class ModelOutput:
-    """Forward results. Sums and counts are local to this rank / micro-batch (see docs/DESIGN.md section 3).
+    """Forward results. Sums and counts are local to this rank / micro-batch (docs/DESIGN.md 3).
 
     logits:          [1, T, V], or None when labels were given (chunked CE, never materialized).
     mtp_logits:      one [1, T, V] per MTP depth (empty when labels were given).

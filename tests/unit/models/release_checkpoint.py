@@ -122,6 +122,61 @@ GEOMETRIES = {
 }
 
 
+# DeepSeek-V4-Flash's config.json keys, for name and shape tests on the meta device (DESIGN.md
+# section 5; HF DeepseekV4Config defaults, which are the Flash release: 256 experts top-6, hidden
+# 4096, 43 layers, routed_scaling_factor 1.5, index_topk 512; RoPE 10000 dense, 160000 + YaRN 16
+# compressed; 1 MTP slot, dense).
+FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0]
+FLASH_CONFIG = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "num_hidden_layers": 43,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "num_hash_layers": 3,
+    "swiglu_limit": 10.0,
+    "sliding_window": 128,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "compress_rope_theta": 160000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "num_nextn_predict_layers": 1,
+    "compress_ratios": FLASH_RATIOS,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "expert_dtype": "fp4",
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    "transformers_version": "4.57.1",
+}
+
+
 def _value(name: str, shape: tuple[int, ...], kind: str, cfg, gen: torch.Generator):
     """A random value for one release tensor, chosen so that the tensor matters."""
     randn = torch.randn(shape, generator=gen)

@@ -1,10 +1,13 @@
-"""The released architecture, with HF transformers' DeepseekV4ForCausalLM as the oracle.
+"""The released architecture, with HF transformers' DeepseekV4ForCausalLM as the oracle (it is
+in the test extra, with accelerate for its FP8 loader: without them these tests fail).
 
 A tiny random checkpoint in the RELEASE layout (release_checkpoint.py; three geometries and seeds)
 is loaded by HF and by us: logits agree, a pack equals HF run on each sample alone, MTP equals
 the release formula built from the raw tensors and HF's layer, and a bf16 export reloads in HF
-and in ours. Tolerances: float32 everywhere; 1e-5 of the largest logit covers summation-order
-differences (measured ~3e-6) and is far below what any architecture difference gives (>1e-2).
+and in ours. At the Flash geometry (meta device) our release names are what HF's conversion
+mapping renames into its parameters. Tolerances: float32 everywhere; 1e-5 of the largest logit
+covers summation-order differences (measured ~3e-6) and is far below what any architecture
+difference gives (>1e-2).
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+import transformers.models.deepseek_v4.modeling_deepseek_v4 as hf_v4
 from megatron.core.packed_seq_params import PackedSeqParams
-from release_checkpoint import make_checkpoint, write_checkpoint
+from release_checkpoint import FLASH_CONFIG, FLASH_RATIOS, make_checkpoint, write_checkpoint
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-from primus_v4.pretrained import load_pretrained, read_config, save_pretrained
-
-transformers = pytest.importorskip("transformers", minversion="5.23")
-hf_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+from primus_v4.models.deepseek_v4 import state_dict_adapter as rel
+from primus_v4.pretrained import load_pretrained, save_pretrained
 
 REL_TOL = 1e-5  # float32, different summation order (see the module docstring)
 CASES = [("a", 0), ("b", 1), ("c", 2)]
@@ -104,8 +108,7 @@ def test_mtp_logits_equal_the_release_formula(case, tmp_path) -> None:
     """x = e_proj(enorm(emb(t+1))) + h_proj(hnorm(h)) per stream, h = the last decoder layer's
     streams before any HyperHead; one block (HF's layer); own hc_head + norm; shared head."""
     t, cfg, n = case["tensors"], case["config"], case["config"]["num_hidden_layers"]
-    if not cfg.get("num_nextn_predict_layers"):
-        pytest.skip("this geometry has no MTP depth")
+    assert cfg["num_nextn_predict_layers"] == 1  # every geometry has one MTP depth
     eps, length = cfg["rms_norm_eps"], 300
     ids = case["ids"][:length][None]
     hf = load_hf(_mtp_layer_checkpoint(case, tmp_path / "mtp"))
@@ -164,7 +167,6 @@ def test_fp8_export_loads_in_hf_like_in_ours(case, tmp_path) -> None:
     (its FP8 quantizer, FP4 experts included) and its logits equal our reload of the same
     export. 3e-5: measured ~7e-6 (HF dequantizes and sums in another order than we do), far
     below the >1e-2 that a wrong scale, nibble order or layout gives."""
-    pytest.importorskip("accelerate")  # HF's FP8 loader needs it (the test extra has it)
     if case["config"]["hidden_size"] % 32:  # FP4 packs 32 inputs per scale: refused, by name
         with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight.* multiple of 32"):
             save_pretrained(case["ours"], tmp_path / "fp8", dtype="fp8", progress=False)
@@ -178,21 +180,6 @@ def test_fp8_export_loads_in_hf_like_in_ours(case, tmp_path) -> None:
     assert err <= 3e-5
     # and the export is the quantization of the source, not a copy of it
     assert rel_err(back(ids).logits, case["ours"](ids).logits) > REL_TOL
-
-
-def test_config_json_round_trip(case) -> None:
-    cfg = read_config(case["path"])
-    assert cfg.num_layers == case["config"]["num_hidden_layers"]
-    assert [*cfg.compress_ratios, cfg.mtp_compress_ratio] == case["config"]["compress_ratios"]
-    assert cfg.compress_rope_theta == 160000.0 and cfg.rotary_scaling_factor == 16.0
-    from primus_v4.models.deepseek_v4.state_dict_adapter import (
-        config_from_release,
-        config_to_release,
-    )
-
-    again = config_from_release(config_to_release(cfg))
-    for f in ("hidden_size", "num_hash_layers", "index_topk", "hc_mult", "attn_sliding_window"):
-        assert getattr(again, f) == getattr(cfg, f)
 
 
 @torch.no_grad()
@@ -212,3 +199,40 @@ def test_a_transformers_saved_checkpoint_reads_as_the_release(case, tmp_path) ->
     assert any(n.startswith("mtp.") for n in ref) and not any(n.startswith("mtp.") for n in state)
     ids = case["ids"][:300][None]
     assert rel_err(ours.eval()(ids).logits, case["hf"](input_ids=ids).logits) <= REL_TOL
+
+
+def _hf_names(config: dict) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**config))
+    return {k.removeprefix("model."): tuple(v.shape) for k, v in hf.state_dict().items()}
+
+
+def _hf_rename(name: str, transforms: list) -> str:
+    for transform in transforms:
+        name, _ = transform.rename_source_key(name)
+    return name
+
+
+def test_release_names_are_what_hf_conversion_mapping_expects() -> None:
+    """Our release names, renamed by HF's deepseek_v4 conversion mapping, are exactly HF's
+    parameters (experts merged); the MTP block is checked as an extra decoder layer."""
+    flash = rel.config_from_release(FLASH_CONFIG)
+    n = flash.num_layers
+    config = {**FLASH_CONFIG, "num_hidden_layers": n + 1, "num_nextn_predict_layers": 0}
+    config["compress_ratios"] = FLASH_RATIOS[: n + 1]
+    hf = _hf_names(config)
+    transforms = get_checkpoint_conversion_mapping("deepseek_v4")
+    own = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head_")
+    renamed: dict[str, list[rel.ReleaseTensor]] = {}
+    for name, t in rel.release_tensors(flash).items():
+        if name.startswith("mtp.0."):
+            if name.removeprefix("mtp.0.").startswith(own):
+                continue
+            name = f"layers.{n}." + name.removeprefix("mtp.0.")
+        renamed.setdefault(_hf_rename(name, transforms), []).append(t)
+    assert set(renamed) == set(hf)
+    for hf_name, parts in renamed.items():
+        if len(parts) == 1:
+            assert parts[0].shape == hf[hf_name], hf_name
+        else:  # experts merged: E x (w1, w3) -> [E, 2F, D]; E x w2 -> [E, D, F]
+            assert len(parts) in (256, 512) and hf[hf_name][0] == 256, hf_name

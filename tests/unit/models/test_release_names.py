@@ -1,6 +1,7 @@
 """The release name table: one-to-one with our state dict at the Flash geometry (meta device),
-the same names HF's conversion mapping implies, exact round trips for whole models and for
-pipeline-stage / expert-shard subsets, strict config.json conversion and loader errors.
+exact round trips for whole models and for pipeline-stage / expert-shard subsets, strict
+config.json conversion and loader errors. That HF's conversion mapping implies the same names is
+checked with the HF oracle in test_release_hf.py.
 """
 
 from __future__ import annotations
@@ -9,67 +10,20 @@ import json
 
 import pytest
 import torch
-from release_checkpoint import make_checkpoint, random_release_tensors, release_config
+from release_checkpoint import (
+    FLASH_CONFIG,
+    GEOMETRIES,
+    make_checkpoint,
+    random_release_tensors,
+    release_config,
+)
 from safetensors.torch import load_file, save_file
 
 from primus_v4.errors import ConfigError
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
 from primus_v4.models.deepseek_v4 import state_dict_adapter as rel
 from primus_v4.models.deepseek_v4.checkpoint_config import FIELDS as RELEASE_FIELDS
-from primus_v4.pretrained import load_pretrained
-
-# DeepSeek-V4-Flash's config.json keys (docs/DESIGN.md section 5; HF DeepseekV4Config defaults, which
-# are the Flash release: 256 experts top-6, hidden 4096, 43 layers, routed_scaling_factor 1.5,
-# index_topk 512; RoPE 10000 dense, 160000 + YaRN 16 compressed; 1 MTP slot, dense).
-FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0]
-FLASH_CONFIG = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
-    "vocab_size": 129280,
-    "hidden_size": 4096,
-    "num_hidden_layers": 43,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 1,
-    "head_dim": 512,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 1024,
-    "o_groups": 8,
-    "o_lora_rank": 1024,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 6,
-    "moe_intermediate_size": 2048,
-    "routed_scaling_factor": 1.5,
-    "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "num_hash_layers": 3,
-    "swiglu_limit": 10.0,
-    "sliding_window": 128,
-    "index_n_heads": 64,
-    "index_head_dim": 128,
-    "index_topk": 512,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000,
-    "compress_rope_theta": 160000,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 16,
-        "original_max_position_embeddings": 65536,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
-    "num_nextn_predict_layers": 1,
-    "compress_ratios": FLASH_RATIOS,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "expert_dtype": "fp4",
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
-    "transformers_version": "4.57.1",
-}
+from primus_v4.pretrained import load_pretrained, read_config
 
 
 @pytest.fixture(scope="module")
@@ -117,45 +71,6 @@ def test_stored_kinds_and_scales_at_flash(flash) -> None:
     assert stored["layers.9.ffn.gate.bias"] == ((256,), torch.float32)
     assert stored["mtp.0.e_proj.weight"] == ((4096, 4096), torch.float8_e4m3fn)
     assert stored["hc_head_fn"] == ((4, 16384), torch.float32)
-
-
-def _hf_names(config: dict) -> dict[str, tuple[int, ...]]:
-    transformers = pytest.importorskip("transformers", minversion="5.23")
-    with torch.device("meta"):
-        hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**config))
-    return {k.removeprefix("model."): tuple(v.shape) for k, v in hf.state_dict().items()}
-
-
-def _hf_rename(name: str, transforms: list) -> str:
-    for transform in transforms:
-        name, _ = transform.rename_source_key(name)
-    return name
-
-
-def test_release_names_are_what_hf_conversion_mapping_expects(flash) -> None:
-    """Our release names, renamed by HF's deepseek_v4 conversion mapping, are exactly HF's
-    parameters (experts merged); the MTP block is checked as an extra decoder layer."""
-    n = flash.num_layers
-    config = {**FLASH_CONFIG, "num_hidden_layers": n + 1, "num_nextn_predict_layers": 0}
-    config["compress_ratios"] = FLASH_RATIOS[: n + 1]
-    hf = _hf_names(config)
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    transforms = get_checkpoint_conversion_mapping("deepseek_v4")
-    own = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head_")
-    renamed: dict[str, list[rel.ReleaseTensor]] = {}
-    for name, t in rel.release_tensors(flash).items():
-        if name.startswith("mtp.0."):
-            if name.removeprefix("mtp.0.").startswith(own):
-                continue
-            name = f"layers.{n}." + name.removeprefix("mtp.0.")
-        renamed.setdefault(_hf_rename(name, transforms), []).append(t)
-    assert set(renamed) == set(hf)
-    for hf_name, parts in renamed.items():
-        if len(parts) == 1:
-            assert parts[0].shape == hf[hf_name], hf_name
-        else:  # experts merged: E x (w1, w3) -> [E, 2F, D]; E x w2 -> [E, D, F]
-            assert len(parts) in (256, 512) and hf[hf_name][0] == 256, hf_name
 
 
 def _tiny(geometry: str = "a", seed: int = 3):
@@ -296,3 +211,15 @@ def test_load_errors_name_unused_and_missing_tensors(tmp_path) -> None:
     model = load_pretrained(path, progress=False)
     assert torch.equal(model.layers[0].moe.router.tid2eid, tensors["layers.0.ffn.gate.tid2eid"])
     assert torch.equal(model.layers[1].moe.router.bias, tensors["layers.1.ffn.gate.bias"])
+
+
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_config_json_round_trip(geometry, tmp_path) -> None:
+    path, config, _ = make_checkpoint(tmp_path, geometry, seed=0)
+    cfg = read_config(path)
+    assert cfg.num_layers == config["num_hidden_layers"]
+    assert [*cfg.compress_ratios, cfg.mtp_compress_ratio] == config["compress_ratios"]
+    assert cfg.compress_rope_theta == 160000.0 and cfg.rotary_scaling_factor == 16.0
+    again = rel.config_from_release(rel.config_to_release(cfg))
+    for f in ("hidden_size", "num_hash_layers", "index_topk", "hc_mult", "attn_sliding_window"):
+        assert getattr(again, f) == getattr(cfg, f)

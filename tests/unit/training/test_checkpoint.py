@@ -10,10 +10,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
+from primus_v4.parallel.groups import ParallelContext
 from primus_v4.training import checkpoint
 from primus_v4.training.checkpoint import CheckpointManager
-from primus_v4.training.optim import build_optimizer
+from primus_v4.training.lr_schedule import warmup_cosine
+from primus_v4.training.zero import ShardedAdamW
 
 HERE = Path(__file__).resolve().parent
 
@@ -40,15 +43,10 @@ def make_state(seed: int = 0, offload: float = 0.5) -> dict:
     torch.manual_seed(seed)
     # Dropout makes the loss depend on the global RNG, which the checkpoint must restore.
     model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.LayerNorm(16), nn.Linear(16, 2))
-    opt, sched = build_optimizer(
-        model.named_parameters(),
-        lr=1e-2,
-        min_lr=1e-3,
-        warmup_steps=2,
-        total_steps=6,
-        weight_decay=0.1,
-        offload_fraction=offload,
-    )
+    opt = ShardedAdamW(list(model.named_parameters()), ParallelContext.single(), lr=1e-2,
+                       betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                       offload_fraction=offload)  # fmt: skip
+    sched = LambdaLR(opt, warmup_cosine(lr=1e-2, min_lr=1e-3, warmup_steps=2, total_steps=6))
     return {"model": model, "optimizer": opt, "scheduler": sched, "data": ToyData()}
 
 
@@ -56,11 +54,12 @@ def train(state: dict, start: int, stop: int, manager: CheckpointManager | None)
     losses = []
     for step in range(start, stop):
         x, y = state["data"].next()
+        state["optimizer"].zero_grad()
         loss = (state["model"](x) - y).pow(2).mean()
         loss.backward()
+        state["optimizer"].reduce_gradients()
         state["optimizer"].step()
         state["scheduler"].step()
-        state["optimizer"].zero_grad(set_to_none=True)
         losses.append(loss.item())
         if manager is not None:
             manager.maybe_save(step + 1, final=step + 1 == stop, **state)
@@ -154,3 +153,13 @@ def test_a_checkpoint_of_another_model_layout_is_refused_by_name(tmp_path: Path)
         CheckpointManager(tmp_path, interval=3).load_latest(**state)
     after = state["model"].parameters()
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_plain_torch_optimizer_is_refused_by_name(tmp_path: Path) -> None:
+    import pytest
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"ShardedAdamW, not of AdamW"):
+        checkpoint.save(
+            tmp_path, step=1, model=model, optimizer=torch.optim.AdamW(model.parameters())
+        )

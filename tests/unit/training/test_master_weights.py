@@ -1,8 +1,8 @@
 """fp32 master weights (training.zero) on one process.
 
-float32: the trainer steps exactly what it stepped before the optimizer owned the gradients
-(an oracle keeps that trainer: AdamW on the parameters, autograd `.grad` accumulation, the same
-clip), bit for bit, with and without host offload. bfloat16: the masters of a random-init run
+float32: the trainer steps exactly what a plain trainer steps (the oracle: torch's AdamW on the
+parameters, autograd `.grad` accumulation, the same float64 clip), bit for bit, with and without
+host offload. bfloat16: the masters of a random-init run
 start from the float32 draws (the bf16 weights hold their rounding); at lr 1e-6 (a fine-tune's lr,
 whose updates are below half a bf16 ulp) the fp32 masters still learn and the bf16 weights are the
 rounded masters; at the default lr the bf16 loss tracks the float32 one.
@@ -21,20 +21,28 @@ from primus_v4.training.loss import StepLoss, count_tokens, reduce_counts
 from primus_v4.training.trainer import Trainer
 
 
-class LegacyTrainer(Trainer):
-    """The trainer as it was before fp32 masters: the oracle of float32 bit-identity."""
+class PlainTrainer(Trainer):
+    """The trainer on torch's AdamW and autograd's `.grad`: the oracle of float32 bit-identity."""
 
     def __init__(self, run, **kwargs) -> None:
         super().__init__(run, **kwargs)
-        from primus_v4.training.optim import build_optimizer
+        from torch.optim.lr_scheduler import LambdaLR
+
+        from primus_v4.training.lr_schedule import warmup_cosine
+        from primus_v4.training.zero import no_decay
 
         self.optimizer.remove_hooks()
         t, o = run.cfg.train, run.cfg.optim
-        self.optimizer, self.scheduler = build_optimizer(
-            self.model.named_parameters(), lr=t.lr, min_lr=t.min_lr,
-            warmup_steps=t.warmup_steps, total_steps=t.steps, weight_decay=t.weight_decay,
-            betas=(o.beta1, o.beta2), eps=o.eps, offload_fraction=o.offload_fraction,
-        )  # fmt: skip
+        named = list(self.model.named_parameters())
+        groups = [
+            {"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": t.weight_decay},
+            {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        schedule = warmup_cosine(
+            lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=t.steps
+        )
+        self.scheduler = LambdaLR(self.optimizer, schedule)
 
     def forward_backward(self, rows):
         counts = reduce_counts(count_tokens(rows, mtp_depths=self.mtp_depths), None)
@@ -48,9 +56,16 @@ class LegacyTrainer(Trainer):
         return step_loss
 
     def _clip(self) -> float:
-        from primus_v4.parallel.grad_norm import clip_grad_norm
+        from primus_v4.parallel.grad_norm import square_sum
 
-        return clip_grad_norm(self.params, self.runtime.ctx, self.cfg.train.clip_grad or math.inf)
+        # torch's clip_grad_norm_ with the float64 norm (float32 would differ in the last bits).
+        grads = [p.grad for p in self.params]
+        norm = float(square_sum(grads, torch.device("cpu")).sqrt())
+        coef = (self.cfg.train.clip_grad or math.inf) / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
 
 
 def _rows(result) -> list[tuple[float, ...]]:
@@ -58,30 +73,30 @@ def _rows(result) -> list[tuple[float, ...]]:
 
 
 @pytest.mark.parametrize("offload", [0.0, 0.5])
-def test_float32_fake_model_is_bit_identical_to_the_legacy_trainer(tmp_path, offload) -> None:
+def test_float32_fake_model_is_bit_identical_to_torch_adamw(tmp_path, offload) -> None:
     settings = ("train.steps=4", "train.global_batch_size=2", "train.warmup_steps=1",
                 "train.weight_decay=0.1", f"optim.offload_fraction={offload}")  # fmt: skip
     runs = {}
-    for kind in (Trainer, LegacyTrainer):
+    for kind in (Trainer, PlainTrainer):
         trainer = kind(tiny_run(tmp_path / kind.__name__, *settings),
                        corpus=FakeCorpus(RAGGED_PACKS[:4]), model=FakeLM())  # fmt: skip
         runs[kind] = (_rows(trainer.train()), [p.detach() for p in trainer.model.parameters()])
-    assert runs[Trainer][0] == runs[LegacyTrainer][0]  # exact: same float32 ops, same order
-    pairs = zip(runs[Trainer][1], runs[LegacyTrainer][1], strict=True)
+    assert runs[Trainer][0] == runs[PlainTrainer][0]  # exact: same float32 ops, same order
+    pairs = zip(runs[Trainer][1], runs[PlainTrainer][1], strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
 
 
-def test_float32_tiny_model_is_bit_identical_to_the_legacy_trainer(tmp_path: Path) -> None:
+def test_float32_tiny_model_is_bit_identical_to_torch_adamw(tmp_path: Path) -> None:
     settings = ("train.steps=2", "train.global_batch_size=2", "train.warmup_steps=1",
                 "optim.offload_fraction=0.5", f"model.overrides.vocab_size={512}")  # fmt: skip
     runs = {}
-    for kind in (Trainer, LegacyTrainer):
+    for kind in (Trainer, PlainTrainer):
         trainer = kind(tiny_run(tmp_path / kind.__name__, *settings),
                        corpus=FakeCorpus(RAGGED_PACKS[:4]))  # fmt: skip
         runs[kind] = (_rows(trainer.train()), dict(trainer.model.named_parameters()))
-    assert runs[Trainer][0] == runs[LegacyTrainer][0]
+    assert runs[Trainer][0] == runs[PlainTrainer][0]
     for name, p in runs[Trainer][1].items():
-        assert torch.equal(p, runs[LegacyTrainer][1][name]), name
+        assert torch.equal(p, runs[PlainTrainer][1][name]), name
 
 
 SHORT_PACKS = [[60, 40, 28], [100, 20], [33, 90], [128], [70, 50], [64, 64]]  # seq 128 rows

@@ -21,8 +21,8 @@ from train_fakes import RAGGED_PACKS, FakeCorpus, FakeLM, tiny_run
 from primus_v4.cli import main
 from primus_v4.errors import ConfigError
 from primus_v4.training.checkpoint import step_dir
+from primus_v4.training.lr_schedule import warmup_cosine
 from primus_v4.training.metrics import read_metrics
-from primus_v4.training.optim import warmup_cosine
 
 STEPS = ("train.steps=6", "train.warmup_steps=1", "train.global_batch_size=2")
 KEYS = ("loss", "mtp_loss", "aux_loss", "grad_norm", "lr")

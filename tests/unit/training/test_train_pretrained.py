@@ -1,77 +1,40 @@
-"""`primus-v4 train` with `model.pretrained` and `primus-v4 export` of the run, end to end.
+"""`primus-v4 train` with `model.pretrained` and `primus-v4 export` of the run, against HF
+transformers' DeepseekV4ForCausalLM (the oracle; it is in the test extra).
 
-A tiny random checkpoint in the release layout (the real 129280-token vocabulary, so the real
-tokenizer's ids fit) starts a run: its step-1 loss (measured before the first update) equals
-the cross-entropy HF transformers' DeepseekV4ForCausalLM computes from the same checkpoint for
-each sample of the step's pack run alone, over the same supervised tokens. The run's DCP
-checkpoint exports to a directory HF loads with from_pretrained, holding the trained weights.
-Resuming the run's own checkpoint takes precedence over model.pretrained.
+A tiny random checkpoint in the release layout (pretrained_runs.py) starts a run: its step-1
+loss (measured before the first update) equals the cross-entropy HF computes from the same
+checkpoint for each sample of the step's pack run alone, over the same supervised tokens. The
+run's DCP checkpoint exports to a directory HF loads with from_pretrained, holding the trained
+weights. The rest of the pretrained run's rules: test_train_pretrained_run.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import logging
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+from pretrained_runs import VOCAB, run_command, train_one_step, write_pretrained
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from release_checkpoint import random_release_tensors, release_config, write_checkpoint
-
-from primus_v4.commands import export, train
+from primus_v4.commands import export
 from primus_v4.config import load_config, resolve_run
-from primus_v4.errors import ConfigError
-from primus_v4.pretrained import load_pretrained
 from primus_v4.training.metrics import read_metrics
 
-transformers = pytest.importorskip("transformers", minversion="5.23")
-
 REL_TOL = 1e-5  # float32; packed vs alone and our vs HF summation order (~3e-6 on logits)
-VOCAB = 129280
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = {**release_config("a"), "vocab_size": VOCAB}
-    return write_checkpoint(tmp_path_factory.mktemp("pretrained") / "release", config,
-                            random_release_tensors(config, seed=3))  # fmt: skip
-
-
-def _items(tmp: Path, pretrained: Path, steps: int) -> list[str]:
-    return [
-        "model.preset=null",
-        f"model.pretrained={pretrained}",
-        "data.path=synthetic:rows=24",
-        "data.seq_length=256",
-        f"data.cache_dir={tmp / 'cache'}",
-        f"data.lock_dir={tmp / 'locks'}",
-        f"train.steps={steps}",
-        "train.warmup_steps=1",
-        "train.global_batch_size=1",
-        f"output.dir={tmp / 'run'}",
-        "output.progress_bar=false",
-        "output.plot=false",
-        f"checkpoint.dir={tmp / 'run' / 'ckpt'}",
-    ]
-
-
-def _run(module, items: list[str], extra: tuple[str, ...] = ()) -> int:
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)
-    return module.run(parser.parse_args([*extra, *(a for i in items for a in ("--set", i))]))
+    return write_pretrained(tmp_path_factory.mktemp("pretrained") / "release")
 
 
 @pytest.fixture(scope="module")
 def trained(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("train")
-    assert _run(train, _items(tmp, checkpoint, steps=1)) == 0
-    return tmp
+    return train_one_step(checkpoint, tmp_path_factory.mktemp("train"))
 
 
 def _hf(path: Path):
@@ -117,8 +80,8 @@ def test_export_of_the_run_loads_in_hf_with_the_trained_weights(trained: Path) -
     import torch.distributed.checkpoint as dcp
 
     out = trained / "export_bf16"
-    assert _run(export, [], ("--run", str(trained / "run"), "--out", str(out),
-                             "--no-progress")) == 0  # fmt: skip
+    args = ("--run", str(trained / "run"), "--out", str(out), "--no-progress")
+    assert run_command(export, [], args) == 0
     written = json.loads((out / "config.json").read_text())
     assert written["vocab_size"] == VOCAB and "quantization_config" not in written
     assert (out / "tokenizer.json").is_file()  # the run's tokenizer travels with it
@@ -131,52 +94,3 @@ def test_export_of_the_run_loads_in_hf_with_the_trained_weights(trained: Path) -
     for ours_name, hf_name in (("embedding.weight", "model.embed_tokens.weight"),
                                ("lm_head.weight", "lm_head.weight")):  # fmt: skip
         assert torch.equal(hf_sd[hf_name], ours[ours_name].to(torch.bfloat16).float())
-
-
-def test_fp8_export_of_the_run_reloads(trained: Path) -> None:
-
-    out = trained / "export_fp8"
-    assert _run(export, [], ("--run", str(trained / "run" / "ckpt"), "--out", str(out),
-                             "--dtype", "fp8", "--no-progress")) == 0  # fmt: skip
-    assert json.loads((out / "config.json").read_text())["quantization_config"]["fmt"] == "e4m3"
-    model = load_pretrained(out, dtype=torch.float32, progress=False)
-    logits = model(torch.tensor([[5, 900, 77, 12000]])).logits
-    assert torch.isfinite(logits).all()
-
-
-def test_resume_takes_precedence_over_pretrained(
-    checkpoint: Path, trained: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    # config.json only: reading any weight from here would fail, so a resume must read none
-    weightless = tmp_path / "weightless"
-    weightless.mkdir()
-    (weightless / "config.json").write_text((checkpoint / "config.json").read_text())
-    items = _items(trained, weightless, steps=2)
-    with caplog.at_level(logging.INFO, logger="primus_v4"):
-        assert _run(train, items) == 0
-    assert "takes precedence over model.pretrained" in caplog.text
-    rows = read_metrics(trained / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
-
-
-def test_pretrained_and_preset_conflict(checkpoint: Path) -> None:
-    with pytest.raises(ConfigError, match=r"model.preset: 'tiny' conflicts with model.pretrained"):
-        load_config(overrides=[f"model.pretrained={checkpoint}"])
-
-
-def test_tokenizer_comes_from_the_checkpoint_unless_data_tokenizer(
-    checkpoint: Path, tmp_path: Path
-) -> None:
-    from primus_v4.config.resolve import tokenizer_of
-
-    with_tok = tmp_path / "with_tok"
-    with_tok.mkdir()
-    (with_tok / "config.json").write_text((checkpoint / "config.json").read_text())
-    base = ["model.preset=null"]
-    cfg = load_config(overrides=[*base, f"model.pretrained={checkpoint}"])
-    assert tokenizer_of(cfg) is None  # no tokenizer.json there: the default DeepSeek-V4 one
-    (with_tok / "tokenizer.json").write_text("{}")
-    cfg = load_config(overrides=[*base, f"model.pretrained={with_tok}"])
-    assert tokenizer_of(cfg) == str(with_tok)
-    cfg = load_config(overrides=[*base, f"model.pretrained={with_tok}", "data.tokenizer=/x"])
-    assert tokenizer_of(cfg) == "/x"

@@ -1,0 +1,80 @@
+"""`primus-v4 train` with `model.pretrained`, the checks that need no HF oracle: the fp8 export
+of the run reloads, resuming the run's own checkpoint takes precedence over model.pretrained (and
+reads none of its weights), model.pretrained conflicts with a preset, and where the tokenizer
+comes from. The comparisons with HF transformers: test_train_pretrained.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from pretrained_runs import run_command, train_items, train_one_step, write_pretrained
+
+from primus_v4.commands import export, train
+from primus_v4.config import load_config
+from primus_v4.errors import ConfigError
+from primus_v4.pretrained import load_pretrained
+from primus_v4.training.metrics import read_metrics
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_pretrained(tmp_path_factory.mktemp("pretrained") / "release")
+
+
+@pytest.fixture(scope="module")
+def trained(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_one_step(checkpoint, tmp_path_factory.mktemp("train"))
+
+
+def test_fp8_export_of_the_run_reloads(trained: Path) -> None:
+
+    out = trained / "export_fp8"
+    args = ("--run", str(trained / "run" / "ckpt"), "--out", str(out), "--dtype", "fp8")
+    assert run_command(export, [], (*args, "--no-progress")) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["fmt"] == "e4m3"
+    model = load_pretrained(out, dtype=torch.float32, progress=False)
+    logits = model(torch.tensor([[5, 900, 77, 12000]])).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_resume_takes_precedence_over_pretrained(
+    checkpoint: Path, trained: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # config.json only: reading any weight from here would fail, so a resume must read none
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    (weightless / "config.json").write_text((checkpoint / "config.json").read_text())
+    items = train_items(trained, weightless, steps=2)
+    with caplog.at_level(logging.INFO, logger="primus_v4"):
+        assert run_command(train, items) == 0
+    assert "takes precedence over model.pretrained" in caplog.text
+    rows = read_metrics(trained / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_pretrained_and_preset_conflict(checkpoint: Path) -> None:
+    with pytest.raises(ConfigError, match=r"model.preset: 'tiny' conflicts with model.pretrained"):
+        load_config(overrides=[f"model.pretrained={checkpoint}"])
+
+
+def test_tokenizer_comes_from_the_checkpoint_unless_data_tokenizer(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    from primus_v4.config.resolve import tokenizer_of
+
+    with_tok = tmp_path / "with_tok"
+    with_tok.mkdir()
+    (with_tok / "config.json").write_text((checkpoint / "config.json").read_text())
+    base = ["model.preset=null"]
+    cfg = load_config(overrides=[*base, f"model.pretrained={checkpoint}"])
+    assert tokenizer_of(cfg) is None  # no tokenizer.json there: the default DeepSeek-V4 one
+    (with_tok / "tokenizer.json").write_text("{}")
+    cfg = load_config(overrides=[*base, f"model.pretrained={with_tok}"])
+    assert tokenizer_of(cfg) == str(with_tok)
+    cfg = load_config(overrides=[*base, f"model.pretrained={with_tok}", "data.tokenizer=/x"])
+    assert tokenizer_of(cfg) == "/x"
