@@ -1,14 +1,14 @@
 """Kernel seam: one dispatch per hot op (docs/DESIGN.md section 10).
 
 Ops: `sparse_attention` (sliding-window / top-k / pool attention with a sink, driven by key ranges
-and indices: torch reference, our Triton kernels), `indexer_topk`
+and indices: torch reference, our Triton kernels, primus-turbo's sparse MLA), `indexer_topk`
 (lightning-indexer scores + exact top-k), `compressor_pool` (softmax-gated window pooling),
 `grouped_experts` (clamped-SwiGLU experts over expert-sorted rows: reference, torch's
-grouped_mm). Backends needing a package import it on first use, so importing this package never
-imports triton.
+grouped_mm, primus-turbo's grouped GEMM). Backends needing a package import it on first use, so
+importing this package never imports triton or primus_turbo.
 """
 
-from primus_v4.kernels import grouped_experts
+from primus_v4.kernels import grouped_experts, turbo
 from primus_v4.kernels.compressor_pool import compressor_pool_torch
 from primus_v4.kernels.indexer_topk import indexer_topk_torch
 from primus_v4.kernels.registry import (
@@ -38,6 +38,7 @@ register(
 )
 register("indexer_topk", "torch", indexer_topk_torch)
 register("compressor_pool", "torch", compressor_pool_torch)
+turbo.register_all()
 
 __all__ = [
     "AUTO_ORDER",
