@@ -107,6 +107,7 @@ def test_grouped_experts_through_the_grouped_gemm_contract(monkeypatch) -> None:
     counts = [4, 0, 9]
     x, w_gu, w_d = (torch.randn(*s, generator=g) for s in ((13, 16), (3, 16, 16), (3, 16, 8)))
     cot = torch.randn(13, 16, generator=g)
+
     def experts(fn):
         return lambda x, w_gu, w_d: fn(x, counts, w_gu, w_d, limit=1.0)
 
