@@ -142,4 +142,8 @@ def sparse_attention_triton(q_THD, kv_ND, sink_H, **kwargs) -> torch.Tensor:
 
 def triton_refuses(q_THD, kv_ND, sink_H, **kwargs) -> str | None:
     del sink_H, kwargs
-    return _triton().refuses(q_THD, kv_ND)
+    try:  # a triton too old for the kernels fails here, and auto moves on to the next backend
+        module = _triton()
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        return f"the Triton kernels do not build with this triton ({type(exc).__name__}: {exc})"
+    return module.refuses(q_THD, kv_ND)
