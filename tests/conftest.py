@@ -1,13 +1,20 @@
-"""Shared test fixtures: the demo corpora of examples/data/, and the skip of `gpu`-marked tests
+"""Shared test fixtures: the demo corpora of examples/data/, the skip of `gpu`-marked tests
 (with a reason) wherever torch sees no accelerator (gfx942/gfx950 via `gcnArchName` on ROCm; sm_XY
-on NVIDIA)."""
+on NVIDIA), and Triton's interpreter on machines without one."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without an accelerator the Triton kernels run in Triton's interpreter on CPU tensors. Triton
+# reads this when a kernel module is imported, and ours are imported on first use, so setting
+# it here (before any test runs) covers every test. With a GPU the kernels compile as usual.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DATA = REPO / "examples" / "data"

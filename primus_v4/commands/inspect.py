@@ -256,6 +256,64 @@ def _memory_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernels_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default=None,
+                        help="a backend for every op or op=backend entries, as "
+                        "PRIMUS_V4_KERNEL_BACKEND (default: that variable, else auto)")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="one JSON object per op")
+
+
+def _kernels_run(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from primus_v4 import kernels
+    from primus_v4.errors import ConfigError
+    from primus_v4.kernels import registry
+
+    before = os.environ.get(registry.ENV_VAR)
+    if args.backend is not None:  # the variable's syntax, so per-op entries work here too
+        os.environ[registry.ENV_VAR] = args.backend
+    rows, failed = [], False
+    try:
+        for op in kernels.available_ops():
+            try:
+                c = kernels.choose(op)
+                rows.append({"op": op, "wanted": c.wanted, "chosen": c.chosen,
+                             "order": c.order, "refused": c.refused})  # fmt: skip
+            except ConfigError as exc:
+                failed = True
+                rows.append({"op": op, "wanted": "?", "chosen": None, "order": (),
+                             "refused": {"error": str(exc)}})  # fmt: skip
+        spec = os.environ.get(registry.ENV_VAR, "") or "auto"
+    finally:
+        if before is None:
+            os.environ.pop(registry.ENV_VAR, None)
+        else:
+            os.environ[registry.ENV_VAR] = before
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 1 if failed else 0
+    if registry.has_gpu():
+        props = torch.cuda.get_device_properties(0)
+        arch = getattr(props, "gcnArchName", "") or f"sm_{props.major}{props.minor}"
+        where = f"GPU {props.name} ({arch.split(':')[0]})"
+    else:
+        where = "no GPU (CPU)"
+    print(f"kernel backends: {where}; {registry.ENV_VAR}={spec}; "
+          f"auto order on GPUs: {', '.join(registry.AUTO_ORDER)}")  # fmt: skip
+    print(f"  {'op':<18} {'backend':<13} refused (why)")
+    for row in rows:
+        chosen = " -> ".join(row["order"]) if row["order"] else "ERROR"
+        reasons = [f"{b}: {why}" for b, why in row["refused"].items()] or ["-"]
+        print(f"  {row['op']:<18} {chosen:<13} {reasons[0]}")
+        for reason in reasons[1:]:
+            print(f"  {'':<18} {'':<13} {reason}")
+    return 1 if failed else 0
+
+
 # view name -> (help, add_arguments, run)
 VIEWS: dict[
     str,
@@ -275,6 +333,11 @@ VIEWS: dict[
         _checkpoint_run,
     ),
     "memory": ("per-rank memory plan of a run before launch", _memory_arguments, _memory_run),
+    "kernels": (
+        "the kernel backend each op uses here, and why each other one is refused",
+        _kernels_arguments,
+        _kernels_run,
+    ),
 }
 
 

@@ -1,19 +1,53 @@
-"""Kernel seam: one dispatch per hot op (torch reference always; primus_turbo when it can run).
+"""Kernel seam: one dispatch per hot op (docs/DESIGN.md section 10).
 
-Ops registered here: `sparse_attention` (sliding-window / top-k / pool attention with a sink,
-driven by key ranges and indices), `indexer_topk` (lightning-indexer scores + exact chunked
-top-k), `compressor_pool` (softmax-gated window pooling). Other modules register their own ops
-(e.g. grouped experts) with `register`. No primus_turbo kernel matches these index-driven
-signatures yet, so auto selects torch and logs why.
+Ops: `sparse_attention` (sliding-window / top-k / pool attention with a sink, driven by key ranges
+and indices: torch reference, our Triton kernels, primus-turbo's sparse MLA), `indexer_topk`
+(lightning-indexer scores + exact top-k), `compressor_pool` (softmax-gated window pooling),
+`grouped_experts` (clamped-SwiGLU experts over expert-sorted rows: reference, torch's
+grouped_mm, primus-turbo's grouped GEMM). Backends needing a package import it on first use, so
+importing this package never imports triton or primus_turbo.
 """
 
+from primus_v4.kernels import grouped_experts, turbo
 from primus_v4.kernels.compressor_pool import compressor_pool_torch
 from primus_v4.kernels.indexer_topk import indexer_topk_torch
-from primus_v4.kernels.registry import BACKENDS, available_ops, register, resolve
-from primus_v4.kernels.sparse_attention import sparse_attention_torch
+from primus_v4.kernels.registry import (
+    AUTO_ORDER,
+    BACKENDS,
+    Choice,
+    available_ops,
+    choose,
+    kernel_table,
+    register,
+    resolve,
+    triton_probe,
+)
+from primus_v4.kernels.sparse_attention import (
+    sparse_attention_torch,
+    sparse_attention_triton,
+    triton_refuses,
+)
 
 register("sparse_attention", "torch", sparse_attention_torch)
+register(
+    "sparse_attention",
+    "triton",
+    sparse_attention_triton,
+    probe=triton_probe,
+    refuses=triton_refuses,
+)
 register("indexer_topk", "torch", indexer_topk_torch)
 register("compressor_pool", "torch", compressor_pool_torch)
+turbo.register_all()
 
-__all__ = ["BACKENDS", "available_ops", "register", "resolve"]
+__all__ = [
+    "AUTO_ORDER",
+    "BACKENDS",
+    "Choice",
+    "available_ops",
+    "choose",
+    "grouped_experts",
+    "kernel_table",
+    "register",
+    "resolve",
+]

@@ -3,12 +3,17 @@
 Legend: M = routed rows (tokens x top-k, sorted by expert), D = hidden, F = expert ffn,
 E = local experts.
 
-The torch reference loops over experts with one matmul pair each (exact, no padding); a fused
-grouped GEMM backend registers under the same op name (`registry.register`) and must match it.
-Callers resolve the op once at construction (`registry.resolve(OP_NAME)`).
+The torch reference loops over experts with one matmul pair each (exact, no padding). Fused
+backends register under the same op name and must match it: `grouped_mm` (torch's own grouped
+GEMM, `torch.nn.functional.grouped_mm`: CUDA / ROCm kernels and a CPU path, which on CPU equals
+the loop bit for bit) here, primus-turbo's grouped GEMM in `turbo.py`. Callers resolve the op
+once at construction (`registry.resolve(OP_NAME)`).
 """
 
 from __future__ import annotations
+
+import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,4 +55,119 @@ def grouped_experts_reference(
     return torch.cat(outs, dim=0)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: grouped_mm's backward rejects
+    strided ones (a `.sum()` upstream yields a stride-0 gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g.contiguous()
+
+
+def grouped_experts_grouped_mm(
+    x_MD: torch.Tensor,
+    tokens_per_expert_E: list[int],
+    w_gate_up_EF2D: torch.Tensor,
+    w_down_EDF: torch.Tensor,
+    *,
+    limit: float,
+) -> torch.Tensor:
+    """The reference's contract through two `F.grouped_mm` calls (forward and backward are
+    torch's). grouped_mm multiplies [M, in] rows by b[e] = [in, out]: the transposed views of
+    the [E, out, in] weights, column-major per expert, as its kernels want (no copy)."""
+    ends = list(itertools.accumulate(tokens_per_expert_E))
+    offs_E = torch.tensor(ends, dtype=torch.int32, device=x_MD.device)
+    h_MF2 = F.grouped_mm(x_MD, w_gate_up_EF2D.transpose(-2, -1), offs=offs_E)
+    a_MF = clamped_swiglu(_ContiguousGrad.apply(h_MF2), limit)
+    y_MD = F.grouped_mm(a_MF, w_down_EDF.transpose(-2, -1), offs=offs_E)
+    return _ContiguousGrad.apply(y_MD)
+
+
+# What torch's grouped_mm takes per device type: its CUDA / ROCm kernels check for bf16
+# (torch/_meta_registrations.py mirrors that check); the CPU path also takes fp16 and fp32.
+GROUPED_MM_DTYPES = {
+    "cpu": (torch.bfloat16, torch.float16, torch.float32),
+    "cuda": (torch.bfloat16,),
+}
+_TRIALS: dict[tuple[str, int | None, torch.dtype], str | None] = {}
+
+
+def grouped_mm_probe() -> str | None:
+    if not hasattr(F, "grouped_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm (2.9 or newer)"
+    return None
+
+
+def _trial(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run grouped_mm forward + backward once on this device and dtype (tiny, cached): what
+    the installed torch really accepts there, and that it equals the per-expert loop."""
+    key = (device.type, device.index, dtype)
+    if key not in _TRIALS:
+        try:
+            # The first call may come under no_grad or inference_mode (an eval forward).
+            with torch.inference_mode(False), torch.enable_grad():
+                _TRIALS[key] = _run_trial(device, dtype)
+        except (RuntimeError, NotImplementedError) as exc:
+            _TRIALS[key] = f"grouped_mm fails on {device.type} {dtype}: {str(exc)[:160]}"
+    return _TRIALS[key]
+
+
+def _run_trial(device: torch.device, dtype: torch.dtype) -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    counts = [8, 0, 16]  # an expert without rows included
+    ins = [torch.randn(*s, generator=gen) for s in ((24, 16), (3, 32, 16), (3, 16, 16))]
+    runs = []
+    for fn in (grouped_experts_grouped_mm, grouped_experts_reference):
+        x, w_gu, w_d = (t.to(device, dtype).requires_grad_(True) for t in ins)
+        y = fn(x, counts, w_gu, w_d, limit=10.0)
+        y.float().square().sum().backward()
+        runs.append([t.detach().float() for t in (y, x.grad, w_gu.grad, w_d.grad)])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-term sums; bf16 rounds each product
+    for got, want in zip(*runs, strict=True):
+        if float((got - want).abs().max()) > tol * float(want.abs().max()):
+            return f"grouped_mm differs from the per-expert loop on {device.type} {dtype}"
+    return None
+
+
+def grouped_mm_refuses(
+    x_MD: torch.Tensor,
+    tokens_per_expert_E: list[int],
+    w_gate_up_EF2D: torch.Tensor,
+    w_down_EDF: torch.Tensor,
+    *,
+    limit: float,
+) -> str | None:
+    """None when grouped_mm takes this call: dtype and device as torch's kernels check them,
+    every row stride a multiple of 16 bytes (its alignment rule), and a trial on the device."""
+    del tokens_per_expert_E, limit
+    dtype, device = x_MD.dtype, x_MD.device
+    if w_gate_up_EF2D.dtype != dtype or w_down_EDF.dtype != dtype:
+        return f"mixed dtypes {dtype}, {w_gate_up_EF2D.dtype}, {w_down_EDF.dtype}"
+    allowed = GROUPED_MM_DTYPES.get(device.type, ())
+    if dtype not in allowed:
+        return f"grouped_mm on {device.type} takes {[str(d) for d in allowed]}, not {dtype}"
+    size = x_MD.element_size()
+    d, f2 = x_MD.shape[-1], w_gate_up_EF2D.shape[1]
+    for name, width in (("hidden", d), ("2 x expert ffn", f2), ("expert ffn", f2 // 2)):
+        if width * size % 16:
+            return f"{name} {width} x {size} bytes is not a multiple of 16 bytes"
+    if not x_MD.is_contiguous():
+        return "expert-sorted rows are not contiguous"
+    for t in (x_MD, w_gate_up_EF2D, w_down_EDF):
+        if t.data_ptr() % 16:
+            return "a tensor does not start on a 16-byte boundary"
+    return _trial(device, dtype)
+
+
 register(OP_NAME, "torch", grouped_experts_reference)
+register(
+    OP_NAME,
+    "grouped_mm",
+    grouped_experts_grouped_mm,
+    probe=grouped_mm_probe,
+    refuses=grouped_mm_refuses,
+)

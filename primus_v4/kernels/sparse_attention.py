@@ -126,3 +126,24 @@ def sparse_attention_torch(
     widths += 0 if idx_TK is None else idx_TK.shape[1]
     rows = max(1, chunk_elems // max(1, widths * (d + 3 * h)))
     return _SparseAttention.apply(q_THD, kv_ND, sink_H, lo_TR, hi_TR, idx_TK, scale, rows)
+
+
+def _triton():
+    # Imported on first use: Triton fixes at import whether kernels compile or are interpreted.
+    from primus_v4.kernels import triton_sparse_attention
+
+    return triton_sparse_attention
+
+
+def sparse_attention_triton(q_THD, kv_ND, sink_H, **kwargs) -> torch.Tensor:
+    """Our Triton kernels (kernels/triton_sparse_attention.py), same contract as the reference."""
+    return _triton().sparse_attention_triton(q_THD, kv_ND, sink_H, **kwargs)
+
+
+def triton_refuses(q_THD, kv_ND, sink_H, **kwargs) -> str | None:
+    del sink_H, kwargs
+    try:  # a triton too old for the kernels fails here, and auto moves on to the next backend
+        module = _triton()
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        return f"the Triton kernels do not build with this triton ({type(exc).__name__}: {exc})"
+    return module.refuses(q_THD, kv_ND)

@@ -10,6 +10,7 @@ import torch
 from cpu_helpers import load
 from kernel_cases import relative_error
 
+from primus_v4.kernels import registry
 from primus_v4.models.deepseek_v4 import DeepseekV4Model
 
 pytestmark = pytest.mark.gpu
@@ -48,6 +49,29 @@ def test_pack_equals_each_sample_alone(device, dtype):
             for packed_h, alone_h in zip(heads, [alone.logits, *alone.mtp_logits], strict=True):
                 err = relative_error(packed_h[0, a:b].cpu(), alone_h[0].cpu())
                 assert err <= TOL[dtype], (dtype, a, b, err)
+
+
+@DTYPES
+def test_auto_backends_equal_the_torch_backends(device, dtype, monkeypatch):
+    """The model as auto builds it on this device (primus_turbo / triton / grouped_mm where
+    their probes accept) against the same weights on the torch reference backends."""
+    cpu = load("unit/models/test_model.py")
+    built = {}
+    for spec in ("torch", "auto"):
+        monkeypatch.setenv(registry.ENV_VAR, spec)
+        torch.manual_seed(0)
+        built[spec] = DeepseekV4Model(cpu.tiny_cfg(init_method_std=0.05)).to(device, dtype)
+    built["auto"].load_state_dict(built["torch"].state_dict())
+    p = _pack(device)
+    grads = {}
+    for spec, model in built.items():
+        out, embs = cpu.run(model, p["ids"], cu=p["cu"], pos=p["pos"], padding=p["padding"],
+                            labels=p["labels"], loss_mask=p["loss_mask"])  # fmt: skip
+        total = out.loss + out.mtp_loss + out.aux_loss
+        grads[spec] = (total.detach().float().cpu(), torch.autograd.grad(total, embs[0])[0].cpu())
+    # the same tolerances as packed-vs-alone: both sides reorder and round the same math
+    assert relative_error(grads["auto"][0], grads["torch"][0]) <= TOL[dtype]
+    assert relative_error(grads["auto"][1], grads["torch"][1]) <= TOL[dtype]
 
 
 @DTYPES

@@ -47,14 +47,17 @@ def load_hf(path: Path):
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{g}-seed{s}" for g, s in CASES])
-def case(request, tmp_path_factory):
-    geometry, seed = request.param
+def _build_case(tmp_path_factory, geometry: str, seed: int) -> dict:
     path, config, tensors = make_checkpoint(tmp_path_factory.mktemp("ckpt"), geometry, seed)
     ours = load_pretrained(path, dtype=torch.float32, progress=False).eval()
     gen = torch.Generator().manual_seed(seed + 100)
     ids = torch.randint(2, config["vocab_size"], (sum(LENGTHS),), generator=gen)
     return dict(path=path, config=config, tensors=tensors, ours=ours, hf=load_hf(path), ids=ids)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{g}-seed{s}" for g, s in CASES])
+def case(request, tmp_path_factory):
+    return _build_case(tmp_path_factory, *request.param)
 
 
 def _psp(cu: torch.Tensor) -> PackedSeqParams:
@@ -79,6 +82,24 @@ def test_pack_equals_hf_on_each_sample_alone(case) -> None:
     got = case["ours"](case["ids"][None], packed_seq_params=_psp(cu)).logits[0]
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         want = case["hf"](input_ids=case["ids"][a:b][None]).logits[0]
+        assert rel_err(got[a:b], want) <= REL_TOL, (a, b)
+
+
+@torch.no_grad()
+def test_pack_equals_hf_with_the_triton_attention(tmp_path_factory, monkeypatch) -> None:
+    """HF parity with our Triton sparse attention (interpreted on CPU): geometry a, a shorter
+    pack that still holds an HCA window (139 rows), a CSA-only sample and a tiny one (the
+    interpreter runs one program per query row and layer)."""
+    case = _build_case(tmp_path_factory, "a", 0)
+    monkeypatch.setenv("PRIMUS_V4_KERNEL_BACKEND", "sparse_attention=triton")
+    ours = load_pretrained(case["path"], dtype=torch.float32, progress=False).eval()
+    assert all(layer.attn._attend.__name__ == "checked" for layer in ours.layers)  # triton's
+    lengths = LENGTHS[1:]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    ids = case["ids"][: int(cu[-1])]
+    got = ours(ids[None], packed_seq_params=_psp(cu)).logits[0]
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        want = case["hf"](input_ids=ids[a:b][None]).logits[0]
         assert rel_err(got[a:b], want) <= REL_TOL, (a, b)
 
 
