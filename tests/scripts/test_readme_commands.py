@@ -57,9 +57,8 @@ def _commands(readme: str, heading: str) -> list[list[str]]:
 
 def _flash_release(tmp_path: Path) -> Path:
     """A stand-in for the released checkpoint: validation reads only its config.json."""
-    from primus_v4.models.deepseek_v4.state_dict_adapter import config_to_release
-
     from primus_v4.models.deepseek_v4 import DeepseekV4Config
+    from primus_v4.models.deepseek_v4.state_dict_adapter import config_to_release
 
     flash = tmp_path / "DeepSeek-V4-Flash"
     flash.mkdir()
