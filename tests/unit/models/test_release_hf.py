@@ -239,7 +239,11 @@ def test_release_names_are_what_hf_conversion_mapping_expects() -> None:
     parameters (experts merged); the MTP block is checked as an extra decoder layer."""
     flash = rel.config_from_release(FLASH_CONFIG)
     n = flash.num_layers
-    config = {**FLASH_CONFIG, "num_hidden_layers": n + 1, "num_nextn_predict_layers": 0}
+    # a deep copy: HF's config class writes into the nested rope_scaling dict it is given
+    config = copy.deepcopy(FLASH_CONFIG) | {
+        "num_hidden_layers": n + 1,
+        "num_nextn_predict_layers": 0,
+    }
     config["compress_ratios"] = FLASH_RATIOS[: n + 1]
     hf = _hf_names(config)
     transforms = get_checkpoint_conversion_mapping("deepseek_v4")
