@@ -8,8 +8,10 @@ the optimizer step, minus the same number just before the trainer is built (afte
 corpus): what the plan covers. The plan's device + host total, given the corpus's supervised
 fraction (the rows the LM head sees), is printed beside it.
 
-    python benchmarks/bench_memory_plan.py            # the comparison table
-    python benchmarks/bench_memory_plan.py --measure  # re-measure memory_plan.SAVED_BYTES
+    python benchmarks/bench_memory_plan.py   # the comparison table
+
+The activation terms are counted from the code (training/activation_plan.py); at Flash width
+they are measured by benchmarks/bench_activation_width.py.
 """
 
 from __future__ import annotations
@@ -130,16 +132,7 @@ def planned(items: list[str], world: int, supervised: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measure", action="store_true")
-    args = parser.parse_args()
-    if args.measure:
-        from primus_v4.models.deepseek_v4 import DeepseekV4Config
-        from primus_v4.training.memory_plan import fit_constants
-
-        for key, value in fit_constants(DeepseekV4Config.preset("tiny", vocab_size=512)).items():
-            print(f"    {key!r}: {value!r},")
-        return
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     print(f"{'seq':>5} {'recompute':>9} {'dp':>3} {'offload':>7} {'plan MiB':>9} "
           f"{'measured MiB':>12} {'plan/measured':>13}")  # fmt: skip
     worst = 0.0

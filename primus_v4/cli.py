@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
+from typing import NoReturn
 
 from primus_v4 import __version__
-from primus_v4.errors import PrimusError
+from primus_v4.errors import ExitCode, PrimusError, describe_os_error, is_disk_full
 
 _DESCRIPTION = """\
 Supervised fine-tuning (SFT) of DeepSeek-V4 with sequence packing: many samples share one
@@ -26,6 +29,12 @@ examples:
   primus-v4 inspect presets                        shipped model presets and run configs
 
 Run `primus-v4 COMMAND --help` for the options of a command.
+
+exit status: 0 done; 1 `inspect --verify` found damage; 2 usage; 3 config; 4 data (corpus,
+tokenizer, pack cache); 5 training checkpoint (missing, damaged, other layout); 6 resume refused;
+7 release directory (model.pretrained); 8 a path (unreadable, unwritable, output exists);
+9 disk full; 10 non-finite loss; 11 run setup; 70 internal error; 130 interrupted; 128+N stopped
+by signal N before anything was saved. Every error is one line on stderr.
 """
 
 # subcommand -> (module under primus_v4.commands, one-line help)
@@ -40,8 +49,15 @@ _COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (what, and where to read the options)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="primus-v4",
         description=_DESCRIPTION,
         epilog=_EPILOG,
@@ -65,17 +81,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(message: str) -> str:
+    """An error as one line: a message of several lines (one per problem) joined by '; '."""
+    return "; ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def _fail(command: str, message: str, code: int) -> int:
+    print(f"primus-v4 {command}: error: {_one_line(message)}", file=sys.stderr)
+    return code
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`primus-v4 inspect config | head`): stop quietly, as
+    other tools in a pipe do, and keep Python from complaining again when it flushes at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return ExitCode.SIGNAL_BASE + signal.SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module = importlib.import_module(f"primus_v4.commands.{_COMMANDS[args.command][0]}")
+    command = args.command
     try:
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except PrimusError as exc:
-        print(f"primus-v4 {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(command, str(exc), exc.exit_code)
+    except OSError as exc:  # a path problem no command anticipated: still one line, by kind
+        err = describe_os_error(exc)
+        return _fail(command, str(err), err.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
+    except BaseException as exc:  # torch's CheckpointException is a BaseException too
+        traceback = os.environ.get("PRIMUS_V4_TRACEBACK", "0") not in ("", "0")
+        if traceback or isinstance(exc, (SystemExit, GeneratorExit)):
+            raise
+        code = ExitCode.DISK_FULL if is_disk_full(exc) else ExitCode.INTERNAL
+        what = "disk full" if code == ExitCode.DISK_FULL else "internal error (a bug)"
+        return _fail(
+            command,
+            f"{what}: {type(exc).__name__}: {exc} (rerun with PRIMUS_V4_TRACEBACK=1 for the "
+            "traceback)",
+            code,
+        )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,17 @@
 """Crash-safe file publishing shared by the pack cache and checkpoints: data is fsynced before
 it is renamed into place, and the rename itself is fsynced through the parent directory, so a
-reader sees either the old state or the complete new one."""
+reader sees either the old state or the complete new one. `writable_problem` is the one check
+that a directory can take new files (run preflight, `pack`, `export --out`).
+
+Writable means a file can be created there now: in the directory itself when it exists, else in
+its nearest existing parent (where it will be created). The probe file is removed at once and no
+directory is created, so a failed check leaves nothing behind. The probe (not `os.access`) also
+catches read-only mounts and holds for root, for whom permission bits do not apply."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -21,9 +28,36 @@ def write_durable(path: Path, text: str) -> None:
     """Write `text` to a temp file unique to this process, fsync it, then os.replace it over
     `path`."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves neither a partial file nor the temp
+        raise
     fsync_dir(path.parent)
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def writable_problem(path: str | Path) -> str | None:
+    """Why no file can be created in directory `path` (None when one can)."""
+    path = Path(path).expanduser().absolute()
+    base = _nearest_existing(path)
+    if not base.is_dir():
+        what = "exists and is not a directory" if base == path else f"is under the file {base}"
+        return f"{path} {what}"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".primus-v4-write-probe-", dir=base)
+    except OSError as exc:
+        where = "" if base == path else f" (it would be created in {base})"
+        return f"{path} is not writable{where}: {exc.strerror}"
+    os.close(fd)
+    os.unlink(probe)
+    return None

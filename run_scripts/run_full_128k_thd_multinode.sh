@@ -23,6 +23,21 @@ export PRIMUS_OPTIMIZER_OFFLOAD_FRACTION="${PRIMUS_OPTIMIZER_OFFLOAD_FRACTION:-0
 # fp32 copy); chunks of FUSED_CE_CHUNK rows keep that at chunk x vocab.
 export FUSED_LINEAR_CE="${FUSED_LINEAR_CE:-1}"
 export FUSED_CE_CHUNK="${FUSED_CE_CHUNK:-4096}"
+# Memory (`primus-v4 inspect memory`, printed by DRY_RUN=1), GiB per GPU, stages 0 / 1 / 2, sparse
+# attention counted as primus_turbo's saved set (the largest auto may pick on a GPU):
+#   MI300X (192 GiB): recompute selective layernorm,mla_up_proj,core_attn,moe, bf16 gradient
+#     buckets: 156.6 / 129.1 / 133.7, 82% of 192; the recompute repeats 22.6-22.9% of the
+#     layers' step FLOPs (and the MoE's all-to-all); no recompute plans 509.7 GiB on stage 0.
+#   MI355X (288 GiB): the same recompute, fp32 buckets: 181.1 / 153.6 / 162.8, 63% of 288
+#     (without core_attn, turbo's saved q, output and indices need 313 GiB on stage 0).
+export PRIMUS_DEVICE_MEMORY="${PRIMUS_DEVICE_MEMORY:-MI300X}"
+grad_buffers=bfloat16
+if [[ "${PRIMUS_DEVICE_MEMORY^^}" == "MI355X" ]]; then
+  grad_buffers=float32
+fi
+export PRIMUS_RECOMPUTE="${PRIMUS_RECOMPUTE:-selective}"
+export PRIMUS_RECOMPUTE_MODULES="${PRIMUS_RECOMPUTE_MODULES:-layernorm,mla_up_proj,core_attn,moe}"
+export PRIMUS_GRAD_ACCUM_DTYPE="${PRIMUS_GRAD_ACCUM_DTYPE:-${grad_buffers}}"
 export PRIMUS_EXP_NAME="${PRIMUS_EXP_NAME:-dsv4_flash_128k_thd_${NNODES:-3}node}"
 
 exec bash "$(dirname "${BASH_SOURCE[0]}")/run_full_4k_thd_multinode.sh" "$@"

@@ -55,6 +55,23 @@ PRIMUS_OPTIMIZER_OFFLOAD_FRACTION="${PRIMUS_OPTIMIZER_OFFLOAD_FRACTION:-0.75}"
 FUSED_LINEAR_CE="${FUSED_LINEAR_CE:-0}" # 1 = chunked LM head + CE (no [S, vocab] logits)
 FUSED_CE_CHUNK="${FUSED_CE_CHUNK:-}"    # rows per CE chunk; empty = the preset's
 
+# --- memory: activation recompute and gradient buffers, per device ---------------------------
+# The plan (`primus-v4 inspect memory`; DRY_RUN=1 prints it and a real launch stops when a stage
+# does not fit, PRIMUS_IGNORE_MEMORY_PLAN=1 overrides), GiB per GPU, pipeline stages 0 / 1 / 2,
+# sparse attention counted as primus_turbo's saved set (the largest auto may pick on a GPU):
+#   MI300X (192 GiB): recompute selective layernorm,mla_up_proj,core_attn, fp32 gradient
+#     buckets: 163.2 / 143.7 / 160.3, 85% of 192 on stage 0; the recompute repeats 6.0-6.2% of
+#     the layers' step FLOPs (no recompute: 221.4 GiB, 115%).
+#   MI355X (288 GiB): no recompute, fp32 buckets: 221.4 / 182.1 / 181.6, 77% of 288.
+PRIMUS_DEVICE_MEMORY="${PRIMUS_DEVICE_MEMORY:-MI300X}" # MI300X, MI308X, MI355X or GiB
+recompute=selective modules=layernorm,mla_up_proj,core_attn
+if [[ "${PRIMUS_DEVICE_MEMORY^^}" == "MI355X" ]]; then
+  recompute=none modules=
+fi
+PRIMUS_RECOMPUTE="${PRIMUS_RECOMPUTE:-${recompute}}"                # none | selective | full
+PRIMUS_RECOMPUTE_MODULES="${PRIMUS_RECOMPUTE_MODULES:-${modules}}" # selective: comma-separated
+PRIMUS_GRAD_ACCUM_DTYPE="${PRIMUS_GRAD_ACCUM_DTYPE:-float32}"      # float32 | bfloat16 buckets
+
 # --- data: corpus, packing, node-local cache ---------------------------------------------------
 PRIMUS_DATA_PATH="${PRIMUS_DATA_PATH:-tatsu-lab/alpaca}" # file, dir, hub name or `synthetic`
 PRIMUS_DATA_FORMAT="${PRIMUS_DATA_FORMAT:-auto}" # messages, sharegpt, alpaca, prompt_completion
@@ -111,6 +128,11 @@ primus_add_set parallel.ep "${PRIMUS_EP}"
 primus_add_set parallel.etp "${PRIMUS_ETP}"
 primus_add_set_if parallel.pp_layout "${PRIMUS_PP_LAYOUT}"
 primus_add_set optim.offload_fraction "${PRIMUS_OPTIMIZER_OFFLOAD_FRACTION}"
+primus_add_set optim.grad_accum_dtype "${PRIMUS_GRAD_ACCUM_DTYPE}"
+primus_add_set model.recompute "${PRIMUS_RECOMPUTE}"
+if [[ "${PRIMUS_RECOMPUTE}" == "selective" && -n "${PRIMUS_RECOMPUTE_MODULES}" ]]; then
+  primus_add_set model.recompute_modules "[${PRIMUS_RECOMPUTE_MODULES}]"
+fi
 primus_add_set output.dir "${PRIMUS_OUTPUT_DIR}"
 primus_add_set checkpoint.dir "${PRIMUS_CKPT_DIR}"
 primus_add_set checkpoint.interval "${PRIMUS_CKPT_INTERVAL}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--run",
         required=True,
         metavar="RUN_OR_CHECKPOINT_DIR",
-        help="a run's output dir, its checkpoint.dir, or one step_XXXXXXXX checkpoint dir",
+        help="a run's output dir, its checkpoint.dir, or one step_XXXXXXXX checkpoint dir; the "
+        "checkpoint is verified as resume verifies it (a damaged newest one is skipped, a named "
+        "damaged step refused)",
     )
     parser.add_argument(
         "--step", type=int, default=None, help="export this step (default: the latest complete)"
@@ -38,11 +41,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def check_out(out: Path) -> None:
+    """--out must be new (or an empty dir) and creatable: checked before anything is read."""
+    from primus_v4.durable import writable_problem
+    from primus_v4.errors import PathError
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "is not empty" if out.is_dir() else "exists and is not a directory"
+        raise PathError(f"--out {out} {what}; choose a new directory (export never overwrites)")
+    problem = writable_problem(out)
+    if problem is not None:
+        raise PathError(f"--out {out}: {problem}; choose a directory you can write to")
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from primus_v4.errors import ConfigError
     from primus_v4.training.export_run import export_checkpoint, find_source, release_tensor_count
 
+    if not args.max_shard_gb > 0:
+        raise ConfigError(f"--max-shard-gb {args.max_shard_gb}: must be > 0 (GiB per shard)")
+    check_out(Path(args.out))
     source = find_source(args.run, args.step)
     with tqdm(
         total=release_tensor_count(source), desc="exporting", unit="tensor",

@@ -19,6 +19,9 @@ def _cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="pack cache dir (default $PRIMUS_PACK_CACHE_DIR or $TMPDIR/primus_v4-UID/packs)",
     )
     parser.add_argument(
+        "--cache-dir", default=None, help="the pack cache dir, as `primus-v4 pack` takes it"
+    )
+    parser.add_argument(
         "--verify",
         action="store_true",
         help="check every file against its manifest sha256; exit 1 when an entry is CORRUPT",
@@ -30,9 +33,14 @@ def _cache_run(args: argparse.Namespace) -> int:
     from primus_v4.data import cache
     from primus_v4.errors import DataError
 
-    root = Path(args.dir).expanduser() if args.dir else cache.default_cache_dir()
+    if args.dir and args.cache_dir and Path(args.dir) != Path(args.cache_dir):
+        raise DataError(f"two cache dirs given ({args.dir} and --cache-dir {args.cache_dir}); "
+                        "pass one")  # fmt: skip
+    given = args.cache_dir or args.dir
+    root = Path(given).expanduser() if given else cache.default_cache_dir()
     if not root.is_dir():
-        raise DataError(f"pack cache dir {root} does not exist")
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise DataError(f"pack cache dir {root} {what}")
     entries = []
     for path in sorted(root.iterdir()):
         if not path.is_dir():
@@ -167,18 +175,20 @@ def _checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="check every file's size and sha256 against the checkpoint's manifest; exit 1 "
-        "when a checkpoint is damaged",
+        help="check every file's size and sha256 against the checkpoint's manifest, as resume "
+        "and export do; exit 1 when a checkpoint is damaged (without --verify only the marker, "
+        "the model layout and the manifest's presence are checked)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
 
 
 def _checkpoint_run(args: argparse.Namespace) -> int:
-    from primus_v4.errors import PrimusError
+    from primus_v4.errors import CheckpointError
 
     root = Path(args.dir).expanduser()
     if not root.is_dir():
-        raise PrimusError(f"checkpoint dir {root} does not exist")
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint dir {root} {what}")
     dirs = [root] if root.name.startswith("step_") else sorted(root.glob("step_*"))
     dirs += sorted(root.glob(".tmp_step_*"))
     bad = False
@@ -203,11 +213,9 @@ def _checkpoint_entry(path: Path, *, verify: bool) -> dict:
     files = sum(1 for p in path.rglob("*") if p.is_file())
     if not integrity.is_complete(path):
         status, problems = "incomplete (a save that did not finish; never loaded)", []
-    elif verify:
-        problems = integrity.verify(path)
-        status = "DAMAGED" if problems else "verified"
-    else:
-        status, problems = "complete", []
+    else:  # the check resume and export make; without --verify the data files are not hashed
+        problems = integrity.problems(path) if verify else integrity.quick_problems(path)
+        status = "DAMAGED" if problems else ("verified" if verify else "complete")
     return {"checkpoint": str(path), "status": status, "problems": problems,
             "bytes": dir_bytes(path), "files": files}  # fmt: skip
 
@@ -227,18 +235,10 @@ def _memory_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _memory_run(args: argparse.Namespace) -> int:
     from primus_v4.config import load_config, resolve_run
-    from primus_v4.errors import ConfigError
-    from primus_v4.training.memory_plan import DEVICES_GB, plan_memory
+    from primus_v4.training.memory_gate import parse_device, report
+    from primus_v4.training.memory_plan import plan_memory
 
-    device = args.device_memory
-    if device.upper() in DEVICES_GB:
-        gib = DEVICES_GB[device.upper()]
-    else:
-        try:
-            gib = float(device)
-        except ValueError:
-            raise ConfigError(f"--device-memory {device!r}: give GiB or one of "
-                              f"{sorted(DEVICES_GB)}") from None  # fmt: skip
+    device, gib = parse_device(args.device_memory)
     run = resolve_run(load_config(args.config, overrides=args.set), world=args.world_size)
     plans = plan_memory(run, device_gb=gib, supervised_fraction=args.supervised_fraction)
     if args.json:
@@ -246,13 +246,7 @@ def _memory_run(args: argparse.Namespace) -> int:
             print(json.dumps({"stage": p.stage, "device_bytes": p.device_total,
                               "host_bytes": p.host_total, "rows": p.rows}))  # fmt: skip
         return 0
-    s = run.sizes
-    print(f"memory plan per rank: world {s.world} = pp {s.pp} x cp {s.cp} x dp "
-          f"{s.world // (s.pp * s.cp)}, ep {s.ep}; {run.cfg.model.preset} "
-          f"{run.cfg.model.dtype}, seq {run.cfg.data.seq_length}, offload "
-          f"{run.cfg.optim.offload_fraction}, device {device} ({gib:.0f} GiB)")  # fmt: skip
-    for p in plans:
-        print(p.table())
+    print(report(run, plans, device, gib))
     return 0
 
 

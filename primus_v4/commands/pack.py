@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -158,9 +160,23 @@ def parse_data_args(items: list[str]) -> str | list[dict[str, Any]]:
     return sources
 
 
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Create `path`'s parent; an OSError inside is one error naming `path` (written atomically,
+    so nothing partial is left)."""
+    from primus_v4.errors import describe_os_error
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield
+    except OSError as exc:
+        raise describe_os_error(exc, "cannot write", where=path) from exc
+
+
 def run(args: argparse.Namespace) -> int:
     from primus_v4.data.pipeline import PackSpec, build_or_load
-    from primus_v4.errors import DataError
+    from primus_v4.durable import writable_problem, write_durable
+    from primus_v4.errors import PathError
 
     data = parse_data_args(args.data)
     spec = PackSpec(
@@ -177,16 +193,17 @@ def run(args: argparse.Namespace) -> int:
         lock_dir=args.lock_dir,
         lock_timeout_s=args.lock_timeout,
     )
+    for flag, path in (("--stats-json", args.stats_json), ("--export-jsonl", args.export_jsonl)):
+        problem = None if path is None else writable_problem(path.parent)
+        if problem is not None:  # before the packing pass, not after it
+            raise PathError(f"{flag} {path}: {problem}")
     corpus = build_or_load(spec, progress=not args.no_progress)
-    try:
-        if args.stats_json is not None:
-            args.stats_json.parent.mkdir(parents=True, exist_ok=True)
-            args.stats_json.write_text(json.dumps(corpus.stats, indent=2) + "\n")
-        if args.export_jsonl is not None:
-            args.export_jsonl.parent.mkdir(parents=True, exist_ok=True)
+    if args.stats_json is not None:
+        with _writing(args.stats_json):
+            write_durable(args.stats_json, json.dumps(corpus.stats, indent=2) + "\n")
+    if args.export_jsonl is not None:
+        with _writing(args.export_jsonl):
             corpus.export_jsonl(args.export_jsonl)
-    except OSError as exc:
-        raise DataError(f"cannot write {exc.filename}: {exc.strerror}") from exc
     print(f"primus-v4 pack: {spec.describe()} at seq_length {args.seq_length} ({args.algorithm})")
     print(summary_table(corpus.stats))
     return 0

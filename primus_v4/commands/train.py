@@ -3,17 +3,21 @@
 Without --config the shipped default (primus_v4/configs/runs/tiny_cpu_thd.yaml) runs.
 --dry-run checks everything that can be checked without data or weights (keys, types, values,
 parallel sizes against WORLD_SIZE, the model preset and its overrides, paths) and prints the
-resolved config as one single-line JSON object on stdout.
+resolved config as one single-line JSON object on stdout. With --device-memory (and at every real
+launch on an accelerator, with its own memory) the per-rank memory plan is printed on stderr and the
+run stops with one line when a pipeline stage does not fit (training/memory_gate.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import Any
 
 from primus_v4.config import load_config, resolve_run, to_dict
+from primus_v4.errors import ExitCode
 
 DESCRIPTION = """\
 Run one fine-tuning job. The config is a YAML file with one section per concern (data, model,
@@ -30,7 +34,8 @@ config reference: `primus-v4 inspect config` lists every key with its type, defa
 outputs: output.dir gets config.yaml (the resolved config), metrics.jsonl (one row per step) and
 loss.png; with checkpoint.dir set, rerunning the same command resumes from the newest complete
 checkpoint. SIGTERM or SIGUSR1 (scheduler preemption) saves a checkpoint after the current step
-and exits 0.
+and exits 0; without checkpoint.dir nothing is saved and the exit status is 128 + the signal.
+exit status by kind of failure: `primus-v4 --help` lists them.
 """
 
 
@@ -58,14 +63,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is writable; print the resolved config as one JSON line; exit without loading data "
         "or building the model",
     )
+    parser.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="GIB_OR_NAME",
+        help="plan every pipeline stage's memory for this device (MI300X, MI308X, MI355X or "
+        "GiB), print the plan on stderr and stop when a stage does not fit; default: the "
+        "accelerator's own memory at a real launch, no plan on CPU or in a dry run",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from primus_v4.config.preflight import check_paths
+    from primus_v4.config.resolve import check_pretrained
 
     cfg = load_config(args.config, args.overrides)
     check_paths(cfg)  # seconds, before the model config imports torch
     resolved = resolve_run(cfg)
+    if not _resumes(cfg):  # a resumed run reads no weights from model.pretrained
+        check_pretrained(cfg, resolved.model)
+    if _memory_gate(resolved, args) != 0:
+        return 3
     if args.dry_run:
         payload = {**to_dict(cfg), "derived": resolved.summary()}
         print(json.dumps(payload, separators=(",", ":"), sort_keys=False))
@@ -76,30 +94,67 @@ def run(args: argparse.Namespace) -> int:
     return execute(Trainer(resolved))
 
 
+def _resumes(cfg: Any) -> bool:
+    """Whether the run will resume a checkpoint of its own (one complete checkpoint is there)."""
+    from pathlib import Path
+
+    from primus_v4.training.checkpoint_integrity import complete_checkpoints
+
+    ck = cfg.checkpoint
+    return bool(ck.dir and ck.resume and complete_checkpoints(Path(ck.dir)))
+
+
+def _memory_gate(resolved: Any, args: argparse.Namespace) -> int:
+    """Plan and gate (training/memory_gate.py); 3 when a stage does not fit. Every rank checks
+    (each must stop), rank 0 prints the plan and the one-line reason on stderr."""
+    import os
+
+    from primus_v4.training import memory_gate
+
+    if args.device_memory is not None:
+        device = memory_gate.parse_device(args.device_memory)
+    elif args.dry_run or (device := memory_gate.accelerator_memory()) is None:
+        return 0
+    loud = os.environ.get("RANK", "0") == "0"
+    printer = (lambda text: print(text, file=sys.stderr)) if loud else None
+    try:
+        memory_gate.gate(resolved, device, printer=printer)
+    except memory_gate.MemoryPlanError as exc:
+        if loud:
+            print(f"primus-v4 train: error: {exc}", file=sys.stderr)
+        return 3
+    return 0
+
+
 def execute(trainer: Any) -> int:
-    """Train, print the summary (rank 0), and say how a preempted run continues; exit status."""
+    """Train, print the summary (rank 0), and say how a preempted run continues; exit status:
+    0 when the run finished or saved a checkpoint to resume from, 128 + the signal's number when
+    a signal stopped it before anything was saved (a scheduler must not see success)."""
     from primus_v4.training.metrics import format_table
 
     try:
         result = trainer.train()
     finally:
         trainer.runtime.close()
+    unsaved = result.stopped_at is not None and result.saved is None
+    code = ExitCode.SIGNAL_BASE + (result.signum or signal.SIGTERM) if unsaved else ExitCode.OK
     if not trainer.runtime.is_main:
-        return 0
+        return code
     print(format_table(result.summary, title=f"run summary ({result.output_dir})"))
     for name, path in result.artifacts.items():
         print(f"{name}: {path}", file=sys.stderr)
-    if result.stopped_at is not None:
-        if result.saved is not None:
-            print(
-                f"primus-v4 train: stopped on {result.stop_signal}: saved step "
-                f"{result.stopped_at} to {result.saved}; rerun the same command to resume",
-                file=sys.stderr,
-            )
-        else:
-            print(
-                f"primus-v4 train: stopped on {result.stop_signal} after step "
-                f"{result.stopped_at}; nothing saved (checkpoint.dir is not set)",
-                file=sys.stderr,
-            )
-    return 0
+    if result.stopped_at is None:
+        return code
+    if result.saved is not None:
+        again = (
+            "rerun the same command to resume"
+            if trainer.cfg.checkpoint.resume
+            else "rerun with --set checkpoint.resume=true to resume (checkpoint.resume is false)"
+        )
+        print(f"primus-v4 train: stopped on {result.stop_signal}: saved step {result.stopped_at} "
+              f"to {result.saved}; {again}", file=sys.stderr)  # fmt: skip
+    else:
+        print(f"primus-v4 train: error: stopped on {result.stop_signal} after step "
+              f"{result.stopped_at} and saved nothing (checkpoint.dir is not set): the run is "
+              f"unfinished; exit {code}", file=sys.stderr)  # fmt: skip
+    return code

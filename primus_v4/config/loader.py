@@ -23,10 +23,14 @@ import yaml
 
 from primus_v4.config.schema import SECTIONS, RunConfig
 from primus_v4.errors import ConfigError
+from primus_v4.log import get_logger
+
+log = get_logger(__name__)
 
 # Run configs ship inside the package (package data), so a wheel install has them too.
 RUNS_DIR = Path(__file__).resolve().parents[1] / "configs" / "runs"
 DEFAULT_CONFIG = RUNS_DIR / "tiny_cpu_thd.yaml"
+SHIPPED = "shipped config "  # how messages name a file of RUNS_DIR
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)")
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
 
@@ -55,12 +59,22 @@ def _record_lines(node: yaml.Node, prefix: str, source: str, where: _Where) -> N
         _record_lines(value_node, f"{key}.", source, where)
 
 
+def yaml_problem(exc: yaml.YAMLError, source: str) -> str:
+    """A YAML error as one line that names the file (not PyYAML's "<unicode string>"), its line
+    and column, and the problem."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+
+
 def _parse_yaml(text: str, source: str, where: _Where) -> dict[str, Any]:
     try:
         tree = yaml.safe_load(text)
         node = yaml.compose(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+        raise ConfigError(yaml_problem(exc, source)) from None
     if tree is None:
         return {}
     if not isinstance(tree, dict):
@@ -78,7 +92,7 @@ def _split_override(item: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from exc
+        raise ConfigError(yaml_problem(exc, f"--set {item!r} (value)")) from None
     return parts, value
 
 
@@ -217,6 +231,28 @@ def _build_section(name: str, values: Any, where: _Where) -> Any:
         raise ConfigError(f"{where(key)}: {exc}") from None
 
 
+def _chosen(key: str, where: _Where) -> bool:
+    """Whether the user set `key` (a --set or their own file), not a shipped config or default."""
+    source = where.by_key.get(key)
+    return source is not None and not source.startswith(SHIPPED)
+
+
+def _fit_warmup(sections: dict[str, Any], where: _Where) -> None:
+    """A warmup the user did not choose (the shipped config's, or the default) longer than the
+    steps they asked for is shortened to them, with a warning, instead of refusing the run."""
+    train = sections.get("train")
+    if train is None or train.steps is None or train.warmup_steps <= train.steps:
+        return
+    if _chosen("train.warmup_steps", where) or not _chosen("train.steps", where):
+        return
+    log.warning(
+        "train.warmup_steps=%d (%s) exceeds train.steps=%d: warming up over %d steps; set "
+        "train.warmup_steps to choose", train.warmup_steps,
+        where.by_key.get("train.warmup_steps", "the default"), train.steps, train.steps,
+    )  # fmt: skip
+    sections["train"] = dataclasses.replace(train, warmup_steps=train.steps)
+
+
 def build_config(tree: Mapping[str, Any], where: _Where | None = None) -> RunConfig:
     """Strictly turn a mapping of sections into a validated RunConfig."""
     where = where or _Where("<dict>")
@@ -225,6 +261,7 @@ def build_config(tree: Mapping[str, Any], where: _Where | None = None) -> RunCon
         if name not in SECTIONS:
             raise _unknown(name, SECTIONS, where, "section")
         sections[name] = _build_section(name, values or {}, where)
+    _fit_warmup(sections, where)
     try:
         return RunConfig(**sections)
     except ConfigError as exc:
@@ -271,7 +308,18 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     """Load a run config (a file path or a shipped config name; default: the embedded
     tiny_cpu_thd.yaml) plus `--set` items."""
     path = config_path(path) if path is not None else DEFAULT_CONFIG
-    return load_config_text(path.read_text(), source=str(path), overrides=overrides)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path}: not UTF-8 text (byte {exc.start}); pass a YAML file"
+        ) from None
+    # A shipped config is named as such, not by its path inside site-packages.
+    shipped = path.resolve().parent == RUNS_DIR
+    source = f"{SHIPPED}{path.stem}" if shipped else str(path)
+    return load_config_text(text, source=source, overrides=overrides)
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -10,8 +10,6 @@ catches read-only mounts and holds for root, for whom permission bits do not app
 from __future__ import annotations
 
 import importlib.util
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,8 @@ from primus_v4.data import cache
 from primus_v4.data.corpus import resolve_source
 from primus_v4.data.mixing import parse_sources
 from primus_v4.data.tokenizer import resolve_tokenizer_dir
-from primus_v4.errors import ConfigError, DataError
+from primus_v4.durable import writable_problem
+from primus_v4.errors import DataError, PathError
 
 TENSORBOARD_MISSING = (
     "output.tensorboard: true needs the tensorboard package: pip install 'primus_v4[tensorboard]' "
@@ -30,29 +29,6 @@ TENSORBOARD_MISSING = (
 
 def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
-
-
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
-
-
-def writable_problem(path: str | Path) -> str | None:
-    """Why no file can be created in directory `path` (None when one can)."""
-    path = Path(path).expanduser().absolute()
-    base = _nearest_existing(path)
-    if not base.is_dir():
-        what = "exists and is not a directory" if base == path else f"is under the file {base}"
-        return f"{path} {what}"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".primus-v4-write-probe-", dir=base)
-    except OSError as exc:
-        where = "" if base == path else f" (it would be created in {base})"
-        return f"{path} is not writable{where}: {exc.strerror}"
-    os.close(fd)
-    os.unlink(probe)
-    return None
 
 
 def run_directories(cfg: RunConfig) -> dict[str, Path]:
@@ -99,7 +75,7 @@ def _eval_corpora(cfg: RunConfig) -> list[tuple[str, Any]]:
 
 
 def check_paths(cfg: RunConfig) -> None:
-    """Raise one ConfigError listing every path problem, one line each."""
+    """Raise one PathError listing every path problem (the CLI prints them on one line)."""
     problems = path_problems(cfg)
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise PathError("\n".join(problems))

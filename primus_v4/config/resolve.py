@@ -7,6 +7,7 @@ Layout (megatron-core, tp = etp = 1):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from primus_v4.config.schema import RunConfig
 from primus_v4.data.pipeline import PackSpec
-from primus_v4.errors import ConfigError, DataError
+from primus_v4.errors import CheckpointFormatError, ConfigError, DataError
 from primus_v4.parallel.pipeline_layout import plan_stages
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ def world_size_from_env() -> int:
 
 def parallel_sizes(cfg: RunConfig, world: int) -> ParallelSizes:
     """Derive dp/edp/micro-batches; errors name the numbers that disagree."""
+    if not isinstance(world, int) or world < 1:
+        raise ConfigError(f"world size {world!r} (WORLD_SIZE or --world-size {world}) must be >= 1")
     p = cfg.parallel
     if world % (p.pp * p.cp):
         raise ConfigError(
@@ -73,17 +76,76 @@ def parallel_sizes(cfg: RunConfig, world: int) -> ParallelSizes:
     )
 
 
+# Model sizes that must be positive integers: a 0 or a negative one otherwise ends in a division
+# by zero or a math domain error inside the build, or passes --dry-run and fails in the optimizer.
+POSITIVE_SIZES = (
+    "num_layers", "hidden_size", "num_attention_heads", "kv_channels", "ffn_hidden_size",
+    "q_lora_rank", "o_groups", "o_lora_rank", "num_moe_experts", "moe_router_topk",
+    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "index_n_heads",
+    "index_head_dim", "index_topk", "index_topk_chunk", "attn_sliding_window", "hc_mult",
+    "hc_sinkhorn_iters", "vocab_size", "ce_chunk_size",
+)  # fmt: skip
+NON_NEGATIVE_SIZES = ("mtp_num_layers", "num_hash_layers", "qk_pos_emb_head_dim")
+
+
+def _model_defaults(cls: Any, preset: str | None) -> dict[str, Any]:
+    """The value each model field has before overrides: the preset file's, else the default."""
+    import yaml
+
+    from primus_v4.models.deepseek_v4.config import PRESET_DIR
+
+    fields = dataclasses.fields(cls)
+    out = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+    path = PRESET_DIR / f"{preset}.yaml" if preset is not None else None
+    if path is not None and path.is_file():
+        out.update(yaml.safe_load(path.read_text()) or {})
+    return out
+
+
+def _expected_type(value: Any) -> tuple[type, ...] | None:
+    for kind, accepted in ((bool, (bool,)), (int, (int,)), (float, (int, float)), (str, (str,)),
+                           (list, (list,))):  # fmt: skip
+        if isinstance(value, kind):
+            return accepted
+    return None
+
+
+def check_overrides(overrides: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Each `model.overrides` value has its field's type, and a size is in range: one line per
+    key, before the model config is built from them."""
+    for key, value in overrides.items():
+        where = f"model.overrides.{key}"
+        if key in POSITIVE_SIZES or key in NON_NEGATIVE_SIZES:
+            low = 1 if key in POSITIVE_SIZES else 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(
+                    f"{where}: must be an integer >= {low} (a model size), got {value!r}"
+                )
+            continue
+        accepted = _expected_type(defaults.get(key))
+        if value is None or accepted is None:
+            continue
+        if not isinstance(value, accepted) or (bool not in accepted and isinstance(value, bool)):
+            raise ConfigError(
+                f"{where}: expected {accepted[-1].__name__} like the model's "
+                f"{defaults[key]!r}, got {type(value).__name__} {value!r}"
+            )
+
+
 def model_config(cfg: RunConfig) -> DeepseekV4Config:
     """The model preset with `model.overrides` and `model.*` applied (errors name the key)."""
     # torch (megatron, the model) loads only when a model config is asked for: `pack` and
     # config validation stay torch-free
     from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 
+    preset = None if cfg.model.pretrained is not None else (cfg.model.preset or "tiny")
+    check_overrides(cfg.model.overrides, _model_defaults(DeepseekV4Config, preset))
     overrides = dict(cfg.model.overrides)
     if not cfg.model.fused_linear_ce:
         # One CE chunk spanning the whole row: the [S, vocab] logits exist at once (unfused).
         overrides.setdefault("ce_chunk_size", cfg.data.seq_length)
     overrides.setdefault("lm_head_rows", cfg.model.lm_head_rows)
+    _recompute_overrides(cfg, overrides)
     if cfg.model.dtype == "bfloat16":
         import torch
 
@@ -91,27 +153,54 @@ def model_config(cfg: RunConfig) -> DeepseekV4Config:
         overrides.setdefault("params_dtype", torch.bfloat16)
     if cfg.model.pretrained is not None:
         return pretrained_model_config(cfg.model.pretrained, overrides)
-    preset = cfg.model.preset or "tiny"
+    assert preset is not None
     try:
         return DeepseekV4Config.preset(preset, **overrides)
     except ConfigError as exc:
         raise ConfigError(f"model.preset / model.overrides: {exc}") from None
-    except (TypeError, ValueError, AssertionError) as exc:
+    except (TypeError, ValueError, AssertionError, ArithmeticError) as exc:
         raise ConfigError(
             f"model.overrides {sorted(cfg.model.overrides)} on preset {preset!r} give "
             f"an invalid model: {exc}"
         ) from None
 
 
+def _recompute_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
+    """`model.recompute` as the model config's (Megatron-named) recompute fields."""
+    choice = cfg.model.recompute
+    if choice == "none":
+        return
+    given = overrides.get("recompute_granularity")
+    if given not in (None, choice):
+        raise ConfigError(
+            f"model.recompute={choice!r} conflicts with model.overrides.recompute_granularity="
+            f"{given!r}; set one of them"
+        )
+    overrides["recompute_granularity"] = choice
+    if choice == "full":  # every layer, one at a time (Megatron: uniform, 1 layer per unit)
+        overrides.setdefault("recompute_method", "uniform")
+        overrides.setdefault("recompute_num_layers", 1)
+    elif cfg.model.recompute_modules is not None:
+        overrides["recompute_modules"] = list(cfg.model.recompute_modules)
+
+
 def pretrained_model_config(directory: str, overrides: dict[str, Any]) -> DeepseekV4Config:
     """The model config of a released checkpoint (its config.json), overrides applied."""
     from primus_v4.pretrained.load import read_config  # torch-free config path, as above
 
+    try:  # the release's own config.json first: a problem there is the release's
+        read_config(directory)
+    except FileNotFoundError as exc:
+        raise CheckpointFormatError(f"model.pretrained: {exc}") from None
+    except OSError as exc:
+        raise CheckpointFormatError(
+            f"model.pretrained={directory}: cannot read {exc.filename} ({exc.strerror})"
+        ) from None
+    except (ConfigError, TypeError, ValueError, AssertionError, ArithmeticError) as exc:
+        raise CheckpointFormatError(f"model.pretrained={directory}: {exc}") from None
     try:
         return read_config(directory, **overrides)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"model.pretrained: {exc}") from None
-    except (ConfigError, TypeError, ValueError, AssertionError) as exc:
+    except (ConfigError, TypeError, ValueError, AssertionError, ArithmeticError) as exc:
         raise ConfigError(f"model.pretrained={directory!r} / model.overrides: {exc}") from None
 
 
@@ -150,6 +239,7 @@ def pack_spec(cfg: RunConfig, *, split: str | None = None) -> PackSpec:
             cache_dir=d.cache_dir,
             lock_dir=d.lock_dir,
             lock_timeout_s=d.lock_timeout_s,
+            knobs="config",
         )
     except DataError as exc:
         raise ConfigError(f"data: {exc}") from None
@@ -220,6 +310,24 @@ class ResolvedRun:
             "mtp_num_layers": self.model.mtp_num_layers or 0,
             "num_moe_experts": self.model.num_moe_experts,
         }
+
+
+def check_pretrained(cfg: RunConfig, model: DeepseekV4Config) -> None:
+    """model.pretrained: the release's index, shard headers and tensor names against the model
+    (no tensor is read), so a missing or truncated shard fails before any work. Called by the
+    trainer and by --dry-run when the run will not resume its own checkpoint instead."""
+    if cfg.model.pretrained is None:
+        return
+    from primus_v4.pretrained.load import check_release
+
+    try:
+        check_release(cfg.model.pretrained, model)
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(f"model.pretrained={cfg.model.pretrained}: {exc}") from None
+    except OSError as exc:
+        raise CheckpointFormatError(
+            f"model.pretrained={cfg.model.pretrained}: cannot read {exc.filename} ({exc.strerror})"
+        ) from None
 
 
 def resolve_run(cfg: RunConfig, world: int | None = None) -> ResolvedRun:

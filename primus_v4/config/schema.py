@@ -102,6 +102,16 @@ class ModelConfig:
     lm_head_rows: Literal["supervised", "all"] = "supervised"
     """LM head + CE on supervised rows only (exact: other rows add zero) or on all rows, as a
     conventional trainer does (same loss and grads, more work; for cost comparisons)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute in backward. `none`: autograd keeps what it saves; `selective`: the
+    parts in recompute_modules rerun in backward (their gradients are the same bits);
+    `full`: every decoder layer and MTP depth reruns whole from its input streams (one more
+    forward of the layers per step). `primus-v4 inspect memory` shows what each choice plans."""
+    recompute_modules: list[str] | None = None
+    """With recompute selective: which parts each layer reruns, any of `layernorm` (mHC
+    collapse + RMSNorm before attention and MoE), `mla_up_proj` (query up-projection, its norm
+    and RoPE), `core_attn` (sparse attention and the output-group split), `shared_experts`,
+    `moe` (the whole MoE); None = [layernorm, mla_up_proj, core_attn]."""
     router_bias_update_rate: float = 0.0
     """DeepSeek-V3-style update of the routed layers' gate.bias after each optimizer step:
     b_e += rate * sign(mean_load - load_e) on the step's global expert loads (0 = off, the
@@ -109,6 +119,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _require(self.router_bias_update_rate >= 0, "model.router_bias_update_rate", "must be >= 0")
+        _require(
+            self.recompute_modules is None or self.recompute == "selective",
+            "model.recompute_modules",
+            f"applies to model.recompute: selective only (got recompute={self.recompute!r})",
+        )
         _require(
             self.pretrained is None or self.preset is None,
             "model.preset",
@@ -180,6 +195,11 @@ class OptimConfig:
     the fp32 step. float64 makes the sums independent of how micro-batches are split over DP
     ranks (dp=N gives the same bits as dp=1, e.g. for parity checks) for 2x the gradient-buffer
     and reduce-scatter bytes; float32 keeps the sums AdamW always got (training/zero.py)."""
+    grad_accum_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the full-size buffers the micro-batches' gradients add into. bfloat16 (bf16
+    models, grad_reduce_dtype float32) halves them: each bucket is upcast to float32 to be
+    summed over replicas (one float32 reduce-scatter per bucket) or, without replicas, after
+    backward for the step; each added micro-batch rounds the running sum to bf16 once."""
 
     def __post_init__(self) -> None:
         for name in ("beta1", "beta2"):
@@ -190,6 +210,12 @@ class OptimConfig:
             0.0 <= self.offload_fraction <= 1.0,
             "optim.offload_fraction",
             f"must be in [0, 1], got {self.offload_fraction}",
+        )
+        _require(
+            self.grad_accum_dtype == "float32" or self.grad_reduce_dtype == "float32",
+            "optim.grad_accum_dtype",
+            f"bfloat16 accumulation reduces in float32; grad_reduce_dtype is "
+            f"{self.grad_reduce_dtype}",
         )
 
 
@@ -225,6 +251,10 @@ class TrainConfig:
     eval_interval: int = 0
     """Evaluate every this many steps (and always after the last step) when data.eval_path or
     data.eval_fraction is set; 0 = only after the last step."""
+    ignore_memory_plan: bool = False
+    """Launch even when the memory plan (`primus-v4 inspect memory`) puts a pipeline stage over
+    the device's memory; by default such a launch (and a dry run given --device-memory) stops
+    with one line naming the stage."""
 
     def __post_init__(self) -> None:
         _require(
@@ -287,11 +317,13 @@ class CheckpointConfig:
     """Save every this many steps (and at the end); 0 = only at the end."""
     resume: bool = True
     """Resume from the newest intact checkpoint in dir when there is one (a damaged newer one is
-    reported by file and skipped). The model and world size must match the saved run; a changed
-    schedule (steps, lr, min_lr, warmup) is allowed and applies from the resumed step."""
+    reported by file and skipped). The model and pp/cp/ep sizes must match the saved run; a
+    changed schedule (steps, lr, min_lr, warmup) is allowed and applies from the resumed step.
+    False: start from scratch, into a dir that holds no checkpoints (else an error: two runs
+    in one dir would mix)."""
     keep_last: int = 3
     """Keep the newest this many complete checkpoints; older ones are deleted once a newer one is
-    published. 0 keeps all."""
+    published (never the one just saved, nor the one `latest` names). 0 keeps all."""
 
     def __post_init__(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval", "must be >= 0 (0 = only at the end)")
@@ -333,6 +365,12 @@ class RunConfig:
             self.train.steps is None or self.train.warmup_steps <= self.train.steps,
             "train.warmup_steps",
             f"{self.train.warmup_steps} exceeds train.steps={self.train.steps}",
+        )
+        _require(
+            self.optim.grad_accum_dtype == "float32" or self.model.dtype == "bfloat16",
+            "optim.grad_accum_dtype",
+            "bfloat16 gradient buffers need model.dtype bfloat16 (float32 parameters have "
+            "float32 gradients)",
         )
         _require(
             self.data.seq_length % self.parallel.cp == 0,

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from primus_v4.durable import fsync_dir
-from primus_v4.errors import DataError
+from primus_v4.errors import DataError, describe_os_error
 from primus_v4.log import get_logger
 
 log = get_logger(__name__)
@@ -85,27 +86,56 @@ def _temp_prefix(key: str) -> str:
     return f".tmp-pack-{key}-"
 
 
+# How often a process waiting for another builder says that it still waits.
+WAIT_NOTICE_S = 30.0
+
+
+def _acquire(lock: Any, path: Path, *, timeout_s: float, key: str) -> bool:
+    """Take `lock` within `timeout_s`, saying when it has to wait and then every WAIT_NOTICE_S
+    (a silent wait of minutes looks like a hang); False on timeout."""
+    from filelock import Timeout
+
+    try:
+        lock.acquire(timeout=0)
+        return True
+    except Timeout:
+        pass
+    start = time.monotonic()
+    log.info("waiting for another process on this node building pack cache key %s (lock %s, up "
+             "to %g s)", key, path, timeout_s)  # fmt: skip
+    while (left := timeout_s - (time.monotonic() - start)) > 0:
+        try:
+            lock.acquire(timeout=min(WAIT_NOTICE_S, left))
+            log.info("pack cache lock %s free after %.0f s", path, time.monotonic() - start)
+            return True
+        except Timeout:
+            if timeout_s - (time.monotonic() - start) > 0:
+                log.info("still waiting for pack cache lock %s (%.0f s of %g s)", path,
+                         time.monotonic() - start, timeout_s)  # fmt: skip
+    return False
+
+
 @contextmanager
-def node_lock(path: Path, *, timeout_s: float, key: str) -> Iterator[None]:
+def node_lock(
+    path: Path, *, timeout_s: float, key: str, timeout_knob: str = "--lock-timeout"
+) -> Iterator[None]:
     """Hold the node-local build lock for `key`; a bounded wait with an actionable error."""
-    from filelock import FileLock, Timeout
+    from filelock import FileLock
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DataError(
-            f"cannot create the pack lock dir {path.parent}: {exc}; set PRIMUS_PACK_LOCK_DIR "
-            "to a writable node-local directory"
+            f"cannot create the pack lock dir {path.parent}: {exc.strerror}; set "
+            "PRIMUS_PACK_LOCK_DIR to a writable node-local directory"
         ) from exc
     lock = FileLock(str(path), timeout=timeout_s)
-    try:
-        lock.acquire()
-    except Timeout:
+    if not _acquire(lock, path, timeout_s=timeout_s, key=key):
         raise DataError(
             f"waited {timeout_s:g} s for the pack cache lock {path} (another process on this "
             f"node is building key {key}). Let it finish and retry, pre-build with `primus-v4 "
-            "pack`, or raise the lock timeout (it must stay below the collective timeout)"
-        ) from None
+            f"pack`, or raise {timeout_knob} (it must stay below the collective timeout)"
+        )
     try:
         yield
     finally:
@@ -165,11 +195,11 @@ def publish(
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise DataError(f"cannot create the pack cache dir {cache_dir}: {exc}") from exc
+        raise describe_os_error(exc, "cannot create the pack cache dir") from exc
     temp = cache_dir / f"{_temp_prefix(key)}{_host()}-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir()
     try:
+        temp.mkdir()
         files = {name: _write_array(temp / f"{name}.npy", arrays[name]) for name in ARRAY_FILES}
         body = json.dumps({**manifest, "key": key, "files": files}, indent=2, sort_keys=True)
         with (temp / MANIFEST).open("w", encoding="utf-8") as f:
@@ -194,8 +224,10 @@ def publish(
                 os.rename(temp, final)
         fsync_dir(cache_dir)
     except OSError as exc:
+        error = describe_os_error(exc, "cannot write", where=temp)  # before the temp goes
         shutil.rmtree(temp, ignore_errors=True)
-        raise DataError(f"cannot write the pack cache under {cache_dir}: {exc}") from exc
+        message = f"pack cache {cache_dir}: {error}; removed the partial {temp.name}"
+        raise type(error)(message) from exc
     return final
 
 

@@ -8,6 +8,7 @@ so a bad row can be reported precisely.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -150,32 +151,59 @@ def resolve_source(
     )
 
 
-def _iter_json_lines(path: Path, text: str) -> Iterator[RawRow]:
-    for lineno, line in enumerate(text.splitlines(), start=1):
+def _iter_json_lines(path: Path, data: bytes) -> Iterator[RawRow]:
+    """One row per line. Lines are split on newlines only (JSON strings may hold U+2028 and
+    other characters str.splitlines would split at) and decoded one by one, so a line that is
+    not UTF-8 is one bad row, counted with its line number, not the end of the file."""
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        where = f"{path} line {lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            detail = f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+            yield RawRow(where=where, value=NOT_JSON, error=detail)
+            continue
         if not line.strip():
             continue  # blank lines carry no row; not worth a "bad row" count
         try:
             value = json.loads(line)
         except json.JSONDecodeError as exc:
-            yield RawRow(where=f"{path} line {lineno}", value=NOT_JSON, error=exc.msg)
+            yield RawRow(where=where, value=NOT_JSON, error=exc.msg)
             continue
-        yield RawRow(where=f"{path} line {lineno}", value=value)
+        yield RawRow(where=where, value=value)
+
+
+def _not_utf8(path: Path, data: bytes, exc: UnicodeDecodeError) -> DataError:
+    line = data.count(b"\n", 0, exc.start) + 1
+    column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+    return DataError(
+        f"corpus {path} line {line}, column {column}: byte 0x{data[exc.start]:02x} is not UTF-8; "
+        "save the file as UTF-8 (in JSON Lines such a line is skipped and counted instead)"
+    )
 
 
 def _read_json_file(path: Path) -> Iterator[RawRow]:
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read corpus {path}: {exc}") from exc
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot read corpus {path}: {exc.strerror}") from exc
+    data = data.removeprefix(codecs.BOM_UTF8)  # editors on Windows write one; it is no row
     if path.suffix.lower() == ".jsonl":
-        yield from _iter_json_lines(path, text)
+        yield from _iter_json_lines(path, data)
         return
+    looks_like_lines = data.lstrip().startswith(b"{")
     try:
+        text = data.decode("utf-8")
         value = json.loads(text)
+    except UnicodeDecodeError as exc:
+        if looks_like_lines:
+            yield from _iter_json_lines(path, data)
+            return
+        raise _not_utf8(path, data, exc) from None
     except json.JSONDecodeError as exc:
         # Many ".json" corpora are really JSON Lines; one object per line is the tell.
-        if text.lstrip().startswith("{"):
-            yield from _iter_json_lines(path, text)
+        if looks_like_lines:
+            yield from _iter_json_lines(path, data)
             return
         raise DataError(
             f"corpus {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "

@@ -9,6 +9,7 @@ holds samples pack_sample_range(i) and its tokens are one contiguous slice of th
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -150,11 +151,19 @@ class PackedCorpus:
         return to_thd_batch(self.sample_arrays(j))
 
     def export_jsonl(self, path: Path) -> int:
-        """One pack per line with integer lists; returns the number of packs written."""
+        """One pack per line with integer lists; returns the number of packs written. The file
+        is written beside `path` and renamed into place: a failed export leaves no partial file."""
         keys = ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens")
-        with Path(path).open("w", encoding="utf-8") as f:
-            for i in range(len(self)):
-                arrays = self.pack_arrays(i)
-                row = {k: arrays[k].astype(np.int64).tolist() for k in keys}
-                f.write(json.dumps(row, separators=(",", ":")) + "\n")
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+        try:
+            with tmp.open("w", encoding="utf-8") as f:
+                for i in range(len(self)):
+                    arrays = self.pack_arrays(i)
+                    row = {k: arrays[k].astype(np.int64).tolist() for k in keys}
+                    f.write(json.dumps(row, separators=(",", ":")) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return len(self)

@@ -30,7 +30,8 @@ from primus_v4.data.tokenizer import (
     resolve_tokenizer_dir,
     tokenizer_identity,
 )
-from primus_v4.errors import DataError
+from primus_v4.durable import writable_problem
+from primus_v4.errors import DataError, PathError
 from primus_v4.log import get_logger
 
 log = get_logger(__name__)
@@ -76,6 +77,7 @@ class PackSpec:
     holdout_fraction: float = 0.0  # rows held out for evaluation before packing (holdout.py)
     split: str = "all"  # all | train (rows not held out) | eval (the held-out rows)
     lock_timeout_s: float = 600.0  # max wait for another builder; keep below collective timeout
+    knobs: str = "cli"  # how messages name the settings: "cli" (pack's flags) or "config" (data.*)
 
     def __post_init__(self) -> None:
         if not isinstance(self.seq_length, int) or self.seq_length < 2:
@@ -94,6 +96,12 @@ class PackSpec:
             raise DataError(f"lock_timeout_s must be > 0, got {self.lock_timeout_s}")
         if not 0.0 <= self.holdout_fraction < 1.0:
             raise DataError(f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
+
+    def knob(self, name: str) -> str:
+        """The flag (`primus-v4 pack`) or config key (`train`) that sets field `name`."""
+        if self.knobs == "config":
+            return "data.lock_timeout_s" if name == "lock_timeout_s" else f"data.{name}"
+        return "--lock-timeout" if name == "lock_timeout_s" else "--" + name.replace("_", "-")
 
     def sources(self) -> tuple[SourceSpec, ...]:
         return parse_sources(self.data)
@@ -220,6 +228,7 @@ def _render_sources(
             where=src.describe(),
             chat_mode=spec.chat_mode,
             strict=spec.strict,
+            strict_knob=spec.knob("strict"),
             progress=bar,
         )
         pick = (
@@ -317,8 +326,8 @@ def _render_and_pack(
         if not len(kept):
             raise DataError(
                 f"no sample of {spec.describe()} survives seq_length={spec.seq_length} with "
-                f"overlong={spec.overlong} ({counts}); raise --seq-length or use --overlong "
-                "truncate"
+                f"overlong={spec.overlong} ({counts}); raise {spec.knob('seq_length')} or set "
+                f"{spec.knob('overlong')} truncate"
             )
         lengths = limit[kept]
         order, pack_offsets = pack(
@@ -395,13 +404,15 @@ def _build(
     return arrays, manifest
 
 
-def _try_load(entry: Path, key: str) -> PackedCorpus | None:
+def _try_load(entry: Path, key: str, *, quiet: bool = False) -> PackedCorpus | None:
+    """The valid entry, or None (an invalid one is reported, unless `quiet`: already said)."""
     if not entry.exists():
         return None
     try:
         manifest = cache.verify(entry, key)
     except cache.CacheInvalid as exc:
-        log.warning("pack cache entry is invalid, rebuilding it: %s", exc)
+        if not quiet:
+            log.warning("pack cache entry is invalid, rebuilding it: %s", exc)
         return None
     return PackedCorpus(entry=entry, arrays=cache.map_arrays(entry), manifest=manifest)
 
@@ -443,13 +454,23 @@ def _check_strict(spec: PackSpec, corpus: PackedCorpus, key: str) -> None:
     )
     raise DataError(
         f"--strict: the cached packs {key} of {spec.describe()} were built skipping "
-        f"{sum(bad.values())} bad rows ({bad}); first: {first}. Fix the rows or drop --strict"
+        f"{sum(bad.values())} bad rows ({bad}); first: {first}. Fix the rows or drop "
+        f"{spec.knob('strict')}"
     )
 
 
 def _hit(spec: PackSpec, corpus: PackedCorpus, key: str, t0: float) -> PackedCorpus:
     _check_strict(spec, corpus, key)
     return _finish(corpus, key=key, hit=True, build_s=0.0, t0=t0)
+
+
+def _require_writable(spec: PackSpec, directory: Path, field: str) -> None:
+    problem = writable_problem(directory)
+    if problem is not None:
+        raise PathError(
+            f"pack {field.replace('_', ' ')} {directory}: {problem}; point {spec.knob(field)} at "
+            "a writable node-local directory"
+        )
 
 
 def _data_for_manifest(spec: PackSpec) -> Any:
@@ -470,9 +491,14 @@ def build_or_load(spec: PackSpec, *, progress: bool | None = None) -> PackedCorp
     if corpus is not None:
         return _hit(spec, corpus, key, t0)
 
-    lock = cache.lock_path(spec.resolved_lock_dir(), cache_dir, key)
-    with cache.node_lock(lock, timeout_s=spec.lock_timeout_s, key=key):
-        corpus = _try_load(entry, key)  # built by the process we waited for
+    _require_writable(spec, cache_dir, "cache_dir")  # before a build that could not be kept
+    lock_dir = spec.resolved_lock_dir()
+    _require_writable(spec, lock_dir, "lock_dir")
+    lock = cache.lock_path(lock_dir, cache_dir, key)
+    was_there = entry.exists()
+    with cache.node_lock(lock, timeout_s=spec.lock_timeout_s, key=key,
+                         timeout_knob=spec.knob("lock_timeout_s")):  # fmt: skip
+        corpus = _try_load(entry, key, quiet=was_there)  # built by the process we waited for
         if corpus is not None:
             return _hit(spec, corpus, key, t0)
         log.info("pack cache MISS key=%s: building %s into %s", key, spec.describe(), cache_dir)

@@ -152,7 +152,13 @@ def _add_sample(
 
 
 def _collect(
-    rows: Sequence[RawRow], shape: str, chat_mode: str, *, strict: bool, split_ok: bool = True
+    rows: Sequence[RawRow],
+    shape: str,
+    chat_mode: str,
+    *,
+    strict: bool,
+    split_ok: bool = True,
+    strict_knob: str = "--strict",
 ) -> _Collected:
     out = _Collected()
     for index, row in enumerate(rows):
@@ -163,8 +169,8 @@ def _collect(
         except BadRow as exc:
             if strict:
                 raise DataError(
-                    f"{row.where}: {exc.detail} ({shape} format); fix the row or drop --strict "
-                    "to skip and count bad rows"
+                    f"{row.where}: {exc.detail} ({shape} format); fix the row or drop "
+                    f"{strict_knob} to skip and count bad rows"
                 ) from None
             out.bad[exc.reason] += 1
             if len(out.examples) < BAD_EXAMPLES:
@@ -224,15 +230,18 @@ def render(
     chat_mode: str = "auto",
     strict: bool = False,
     progress: Callable[[str, int], Callable[[int], None]] | None = None,
+    strict_knob: str = "--strict",
 ) -> Rendered:
-    """Validate, render and tokenize rows; bad rows are counted by reason (or raise if strict).
+    """Validate, render and tokenize rows; bad rows are counted by reason (or raise if strict:
+    the error names `strict_knob`, the setting that turns strict off).
 
     `progress(desc, total)` returns the callback that advances a progress bar by n texts.
     """
     if chat_mode not in CHAT_MODES:
         raise DataError(f"unknown chat mode {chat_mode!r}: expected one of {', '.join(CHAT_MODES)}")
     shape = resolve_format(rows, fmt, where)
-    out = _collect(rows, shape, chat_mode, strict=strict, split_ok=tokenizer.splits_at_specials)
+    out = _collect(rows, shape, chat_mode, strict=strict, split_ok=tokenizer.splits_at_specials,
+                   strict_knob=strict_knob)  # fmt: skip
     if out.bad:
         first = "; ".join(f"{e['where']}: {e['detail']}" for e in out.examples)
         log.warning(

@@ -23,10 +23,41 @@ from primus_v4.kernels.registry import register
 OP_NAME = "grouped_experts"
 
 
-def clamped_swiglu(gate_up_MF2: torch.Tensor, limit: float) -> torch.Tensor:
-    """SiLU(min(gate, limit)) * clamp(up, -limit, limit); clamps bound bf16 activations."""
+def _swiglu(gate_up_MF2: torch.Tensor, limit: float) -> torch.Tensor:
     gate, up = gate_up_MF2.chunk(2, dim=-1)
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+class _LowPrecisionSwiGLU(torch.autograd.Function):
+    """Saves only the [M, 2F] input: autograd would also keep the clamped gate, its SiLU and the
+    clamped up ([M, F] each), twice the input's bytes, for a few elementwise ops."""
+
+    @staticmethod
+    def forward(ctx, gate_up_MF2: torch.Tensor, limit: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(gate_up_MF2)
+        ctx.limit = limit
+        return _swiglu(gate_up_MF2, limit)
+
+    @staticmethod
+    def backward(ctx, g_MF: torch.Tensor):  # type: ignore[override]
+        (gate_up_MF2,) = ctx.saved_tensors
+        limit = ctx.limit
+        gate, up = gate_up_MF2.float().chunk(2, dim=-1)
+        gc, uc = gate.clamp(max=limit), up.clamp(-limit, limit)
+        sig = torch.sigmoid(gc)
+        g = g_MF.float()
+        # clamp passes the gradient where the input lies inside the bounds (ends included).
+        d_gate = g * uc * sig * (1 + gc * (1 - sig)) * (gate <= limit)
+        d_up = g * gc * sig * ((up >= -limit) & (up <= limit))
+        return torch.cat((d_gate, d_up), dim=-1).to(gate_up_MF2.dtype), None
+
+
+def clamped_swiglu(gate_up_MF2: torch.Tensor, limit: float) -> torch.Tensor:
+    """SiLU(min(gate, limit)) * clamp(up, -limit, limit); clamps bound bf16 activations.
+    float32 and float64 take the plain autograd expression (bit for bit as always)."""
+    if gate_up_MF2.dtype in (torch.float32, torch.float64) or not gate_up_MF2.requires_grad:
+        return _swiglu(gate_up_MF2, limit)
+    return _LowPrecisionSwiGLU.apply(gate_up_MF2, limit)
 
 
 def grouped_experts_reference(

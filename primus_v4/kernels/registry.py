@@ -99,6 +99,8 @@ def turbo_importable() -> str | None:
 
 
 TRITON_MIN = (3, 0)  # tl.dot's input_precision and the reductions our kernels call
+# Our Triton kernels: one program holds [BH, D] of q, do, dq and acc, so D stays in registers.
+TRITON_MAX_HEAD_DIM = 1024
 
 
 def triton_probe() -> str | None:
@@ -133,7 +135,7 @@ def available_ops() -> list[str]:
     return sorted(_OPS)
 
 
-def _requested(op: str, backend: str | None) -> tuple[str, str]:
+def requested(op: str, backend: str | None = None) -> tuple[str, str]:
     """(backend name, where it came from) for `op`: the argument, the env spec, or auto."""
     if backend is not None:
         return backend.strip().lower(), "the backend argument"
@@ -166,7 +168,7 @@ def choose(op: str, backend: str | None = None) -> Choice:
     Raises ConfigError for an explicit backend that cannot run here."""
     if op not in _OPS:
         raise ConfigError(f"unknown kernel op {op!r}; registered ops: {available_ops()}")
-    wanted, source = _requested(op, backend)
+    wanted, source = requested(op, backend)
     if wanted not in ("auto", *BACKENDS):
         raise ConfigError(
             f"unknown kernel backend {wanted!r} for op {op!r} (from {source}); "

@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_v4.kernels.registry import TRITON_MAX_HEAD_DIM as MAX_HEAD_DIM
+
 _knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older ones read the variable directly
 INTERPRET = (
     bool(_knobs.runtime.interpret)
@@ -53,7 +55,6 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # of a nested jit function, ~5 ms each, more than the arithmetic of a key block).
 _MAX = tl.standard._elementwise_max
 _SUM = tl.standard._sum_combine
-MAX_HEAD_DIM = 1024  # one program holds [BH, D] of q, do, dq and acc: keep D in registers
 
 
 @triton.jit

@@ -29,6 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from primus_v4.checkpoint_formats.sharded import CheckpointReader, load_workers
+from primus_v4.errors import CheckpointFormatError
 from primus_v4.log import get_logger
 from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
 from primus_v4.models.deepseek_v4.checkpoint_config import is_hf_config
@@ -88,10 +89,18 @@ def check_consumed(reader: CheckpointReader, cfg: DeepseekV4Config) -> None:
             f"wants {list(wanted[n].shape)}"
             for n in wrong
         ]
-        raise ValueError(
+        raise CheckpointFormatError(
             f"{reader.directory}: the checkpoint does not match its config ({len(missing)} "
             f"missing, {len(unused)} unused, {len(wrong)} mismatched):\n" + "\n".join(lines[:40])
         )
+
+
+def check_release(directory: str | os.PathLike, cfg: DeepseekV4Config) -> None:
+    """A release directory a run can load: its index, every shard's header and byte ranges
+    (a missing or truncated shard), and its tensor names and shapes against `cfg`. Reads no
+    tensor, so a run (and `--dry-run`) refuses a broken release in seconds, not after start-up."""
+    with open_release(directory) as reader:
+        check_consumed(reader, cfg)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -26,6 +26,7 @@ names are disjoint except the MTP copy of the embedding, which is identical on b
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -41,13 +42,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from primus_v4.durable import fsync_dir, write_durable
-from primus_v4.errors import PrimusError
+from primus_v4.errors import (
+    CheckpointError,
+    ConfigError,
+    DiskFullError,
+    PrimusError,
+    describe_os_error,
+    is_disk_full,
+    nearly_full,
+    os_error_cause,
+    over_size_limit,
+)
 from primus_v4.log import get_logger
 from primus_v4.training import checkpoint_integrity as integrity
-from primus_v4.training.checkpoint_integrity import newest_intact
+from primus_v4.training.checkpoint_integrity import COMPLETE, LATEST, MODEL_LAYOUT, newest_intact
 from primus_v4.training.zero import ShardedAdamW
 from primus_v4.training.zero_state import load_optimizer_state, optimizer_state
 
@@ -56,28 +68,16 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-COMPLETE = "COMPLETE"
-LATEST = "latest"
-# What the model tensors of a checkpoint mean. 2: the released architecture (gate bias, tid2eid,
-# compressor wkv + wgate, ...) with routed experts stored [E, out, in]. Checkpoints that record
-# none were written before: experts [E, in, out] under the same names, some with the same
-# shapes, so loading them would silently transpose experts. They are refused by name.
-MODEL_LAYOUT = 2
-
 
 def check_layout(path: Path) -> None:
     """Raise unless checkpoint `path` holds this version's model layout."""
     try:
-        layout = json.loads((path / COMPLETE).read_text()).get("model_layout", 1)
-    except (OSError, ValueError):
+        info = integrity.read_complete(path)
+    except ValueError:
         return  # a missing / unreadable COMPLETE: the integrity checks name it
-    if layout != MODEL_LAYOUT:
-        raise PrimusError(
-            f"checkpoint {path} holds model layout {layout}; this primus_v4 reads layout "
-            f"{MODEL_LAYOUT} (the released DeepSeek-V4 architecture, experts stored [E, out, "
-            "in]), so it cannot be resumed or exported here. Start a new checkpoint.dir, from "
-            "the released weights (model.pretrained) or from scratch"
-        )
+    problem = integrity.layout_problem(path, info)
+    if problem is not None:
+        raise CheckpointError(problem)
 
 
 class Stateful(Protocol):
@@ -203,32 +203,111 @@ def save(
     extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Save a checkpoint of `step` and publish it; collective over all ranks. Returns its dir.
-    `extra_files`: {name: text} written beside the shards by rank 0 (e.g. the run's config)."""
+    `extra_files`: {name: text} written beside the shards by rank 0 (e.g. the run's config).
+    A save that fails (a full disk, say) removes its temp dir on every rank and raises the same
+    one-line error there: a failed save leaves nothing, and the previous checkpoint is intact."""
+    if optimizer is not None:
+        _sharded(optimizer)  # a caller's mistake, refused before anything is written
     root = Path(root)
     final, tmp = step_dir(root, step), root / f".tmp_step_{step:08d}"
     start = time.perf_counter()
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # left by a save that was killed midway
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier()
-    state = _train_state(step, model, optimizer, scheduler, data)
-    with _single_process_ok():
-        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    _on_rank0(lambda: _fresh_dir(root, tmp), root, tmp, final)
+    try:
+        state = _train_state(step, model, optimizer, scheduler, data)
+        with _single_process_ok():
+            dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as exc:  # DCP raises it on every rank
+        error = _save_error(exc, root, tmp, final)
+        _barrier()
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise error from exc
     # dcp.save returns on every rank after the coordinator wrote .metadata; the barrier makes
     # sure no rank is still flushing before the checkpoint is declared complete.
     _barrier()
-    if _rank() == 0:
-        for name, text in (extra_files or {}).items():
-            write_durable(tmp / name, text)
+    _on_rank0(lambda: _write_files(tmp, extra_files or {}), root, tmp, final)
     files = integrity.checksums(tmp)  # collective: each rank hashes its share of the files
-    if _rank() == 0:
-        integrity.write_manifest(tmp, files)
-        _publish(root, tmp, final, step)
+    _on_rank0(lambda: _manifest_and_publish(root, tmp, final, step, files), root, tmp, final)
     _barrier()
     log.info("saved checkpoint %s (%.1f s)", final, time.perf_counter() - start)
     return final
+
+
+def _fresh_dir(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # left by a save that was killed midway
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+
+def _write_files(tmp: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        write_durable(tmp / name, text)
+
+
+def _manifest_and_publish(
+    root: Path, tmp: Path, final: Path, step: int, files: dict[str, Any]
+) -> None:
+    integrity.write_manifest(tmp, files)
+    _publish(root, tmp, final, step)
+
+
+def _on_rank0(work: Any, root: Path, tmp: Path, final: Path) -> None:
+    """Run `work` on rank 0; if it fails, remove the temp dir and raise its error on every
+    rank (the others would otherwise wait for rank 0 at the next collective)."""
+    error: str | None = None
+    kind: type[PrimusError] = CheckpointError
+    if _rank() == 0:
+        try:
+            work()
+        except Exception as exc:
+            failure = _save_error(exc, root, tmp, final)
+            shutil.rmtree(tmp, ignore_errors=True)
+            error, kind = str(failure), type(failure)
+    error, kind = integrity._broadcast((error, kind)) if dist.is_initialized() else (error, kind)
+    if error is not None:
+        raise kind(error)
+
+
+def _failures(exc: BaseException) -> list[BaseException]:
+    """`exc` and the per-rank exceptions a DCP CheckpointException wraps."""
+    inner = [v[0] if isinstance(v, tuple) else v for v in getattr(exc, "failures", {}).values()]
+    return [exc, *(e for e in inner if isinstance(e, BaseException))]
+
+
+def _disk_full(errors: list[BaseException], directory: Path) -> str | None:
+    """Why a failed save is a full disk (None: it is not). Checked before the temp dir goes."""
+    causes = [c.errno for e in errors if (c := os_error_cause(e)) is not None]
+    if errno.EFBIG in causes or over_size_limit(directory):
+        return "a file reached the file size limit (ulimit -f)"
+    if errno.EDQUOT in causes:
+        return "over the disk quota"
+    if any(is_disk_full(e) for e in errors) or nearly_full(directory):
+        return "disk full"
+    return None
+
+
+def _save_error(exc: BaseException, root: Path, tmp: Path, final: Path) -> PrimusError:
+    """One line for a failed save: what (the step), where (the dir), why, and what is left."""
+    errors = _failures(exc)
+    previous = integrity.latest_named(root)
+    kept = (
+        f"; the previous checkpoint {previous.name} is intact"
+        if previous is not None and previous.is_dir()
+        else ""
+    )
+    what = f"cannot save checkpoint {final.name} into {root}"
+    full = _disk_full(errors, tmp)
+    if full is not None:
+        return DiskFullError(f"{what}: {full}; removed the partial {tmp.name}{kept}. Free space "
+                             "there or point checkpoint.dir elsewhere")  # fmt: skip
+    cause = next((c for e in errors if (c := os_error_cause(e)) is not None), None)
+    if cause is not None:
+        error = describe_os_error(cause, "cannot write")
+        return type(error)(f"{what}: {error}; removed the partial {tmp.name}{kept}")
+    reason = str(errors[-1]).strip().splitlines()[0] if str(errors[-1]).strip() else ""
+    return CheckpointError(f"{what}: {type(errors[-1]).__name__}: {reason}; removed the partial "
+                           f"{tmp.name}{kept}")  # fmt: skip
 
 
 def _publish(root: Path, tmp: Path, final: Path, step: int) -> None:
@@ -305,8 +384,8 @@ def load_latest(
     try:
         with _single_process_ok():
             dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    except Exception as err:  # DCP raises bare errors; name the checkpoint and the likely cause
-        raise PrimusError(
+    except (Exception, CheckpointException) as err:  # name the checkpoint and the likely cause
+        raise CheckpointError(
             f"cannot load checkpoint {path} on rank {_rank()}: {err}. It was written by "
             f"{_saved_world(path)} ranks; resume needs the same model, pipeline and expert "
             "layout (the trainer's data-parallel size may differ)"
@@ -343,7 +422,7 @@ class CheckpointManager:
 
     def __init__(self, root: str | Path, *, interval: int, resume: bool = True) -> None:
         if interval < 0:
-            raise PrimusError(f"checkpoint.interval must be >= 0, got {interval}")
+            raise ConfigError(f"checkpoint.interval must be >= 0, got {interval}")
         self.root = Path(root)
         self.interval = interval
         self.resume = resume

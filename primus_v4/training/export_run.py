@@ -5,12 +5,14 @@ are dim-0 DTensor shards of the global [E, ...] tensor; pipeline stages hold dis
 one process reads them back at any layout. The export streams: one layer's tensors are read at
 a time, renamed and reshaped by the name table (state_dict_adapter.py `to_release`), quantized
 if asked and written into bounded shards (pretrained/save.py `write_release_state`), so memory
-stays about one layer plus one shard. The run's config.yaml (beside the checkpoints or in the
-run's output dir) gives the model config; the tokenizer files of the run travel along.
+stays about one layer plus one shard. The checkpoint is verified first, as resume verifies it
+(checkpoint_integrity.problems); its own model_config.json (or, saved without one, its own
+config.yaml) gives the model config; the tokenizer files of the run travel along.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -25,64 +27,98 @@ from primus_v4.checkpoint_formats.sharded import ExportDtype, WriteSummary, toke
 from primus_v4.config import RunConfig, load_config
 from primus_v4.config.resolve import model_config, tokenizer_of
 from primus_v4.data.tokenizer import resolve_tokenizer_dir
-from primus_v4.errors import PrimusError
+from primus_v4.errors import CheckpointError, describe_os_error
 from primus_v4.log import get_logger
 from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.pretrained.save import write_release_state
-from primus_v4.training.checkpoint import check_layout, find_latest, step_dir
+from primus_v4.training import checkpoint_integrity as integrity
+from primus_v4.training.checkpoint import check_layout, step_dir
+from primus_v4.training.run_checkpoints import CONFIG_FILE, MODEL_CONFIG_FILE
 
 log = get_logger(__name__)
 MODEL_PREFIX = "model."
 
 
-class ExportError(PrimusError):
-    """The training checkpoint cannot be exported (missing, incomplete, or another model)."""
+class ExportError(CheckpointError):
+    """The training checkpoint cannot be exported (missing, damaged, or another model)."""
 
 
 @dataclass(kw_only=True, frozen=True)
 class ExportSource:
-    """A published training checkpoint and the run config that produced it."""
+    """A verified training checkpoint and the run config stored in it."""
 
     checkpoint: Path
     run: RunConfig
     config_file: Path
 
 
-def _find_config(*candidates: Path) -> Path:
-    for directory in candidates:
-        if (directory / "config.yaml").is_file():
-            return directory / "config.yaml"
-    raise ExportError(
-        f"no config.yaml in {', '.join(str(c) for c in candidates)}: pass a run's output dir or "
-        "its checkpoint dir (the trainer writes config.yaml into both)"
+def _present(root: Path) -> str:
+    steps = sorted(d.name for d in root.glob("step_*")) if root.is_dir() else []
+    return ", ".join(steps) or "none"
+
+
+def _checkpoint_root(p: Path) -> Path:
+    """The checkpoint dir of `--run`: the dir itself when it holds step dirs, else the
+    checkpoint.dir its config.yaml names (a run's output dir)."""
+    if any(p.glob("step_*")):
+        return p
+    config_file = p / CONFIG_FILE
+    if not config_file.is_file():
+        raise ExportError(
+            f"{p}: holds no step_* checkpoints and no {CONFIG_FILE}; pass a run's output dir, "
+            "its checkpoint.dir or one step_XXXXXXXX dir"
+        )
+    ck_dir = load_config(config_file).checkpoint.dir
+    if not ck_dir:
+        raise ExportError(f"{config_file}: checkpoint.dir is unset, so the run saved nothing")
+    return Path(ck_dir)  # as the trainer saw it (relative to the launch dir)
+
+
+def _verified(checkpoint: Path) -> ExportSource:
+    """`checkpoint` after the integrity check every reader makes, with its own config."""
+    problems = integrity.problems(checkpoint, needs_config=True)
+    if problems:
+        raise ExportError(
+            f"cannot export {checkpoint}: {'; '.join(problems)}. Export another step "
+            f"(present: {_present(checkpoint.parent)})"
+        )
+    config_file = checkpoint / CONFIG_FILE
+    return ExportSource(
+        checkpoint=checkpoint, run=load_config(config_file), config_file=config_file
     )
 
 
 def find_source(path: str | os.PathLike, step: int | None = None) -> ExportSource:
-    """Resolve `--run` (a run output dir, a checkpoint dir, or one step's dir) and `--step`."""
+    """Resolve `--run` (a run output dir, a checkpoint dir, or one step's dir) and `--step` to a
+    verified checkpoint: without --step the newest intact one (an unusable newer one is named
+    and skipped, as resume does); a named step or step dir is exported only when intact."""
     p = Path(path)
     if not p.is_dir():
         raise ExportError(f"{p}: not a directory (pass a run's output dir or checkpoint dir)")
-    if (p / ".metadata").is_file():  # one step's checkpoint
+    if p.name.startswith("step_") or (p / ".metadata").is_file():  # one step's checkpoint
         if step is not None:
             raise ExportError(f"{p} is already one step's checkpoint; drop --step {step}")
-        config_file = _find_config(p.parent, p.parent.parent)
-        return ExportSource(checkpoint=p, run=load_config(config_file), config_file=config_file)
-    config_file = _find_config(p)
-    run = load_config(config_file)
-    if any(p.glob("step_*")):
-        root = p
-    elif run.checkpoint.dir:
-        root = Path(run.checkpoint.dir)  # as the trainer saw it (relative to the launch dir)
-    else:
-        raise ExportError(f"{config_file}: checkpoint.dir is unset, so the run saved nothing")
-    found = step_dir(root, step) if step is not None else find_latest(root)
-    if found is None or not (found / ".metadata").is_file():
-        what = f"step {step}" if step is not None else "a complete checkpoint"
-        steps = sorted(d.name for d in root.glob("step_*")) if root.is_dir() else []
-        raise ExportError(f"{root}: no {what} (present: {steps or 'none'})")
-    return ExportSource(checkpoint=found, run=run, config_file=config_file)
+        return _verified(p)
+    root = _checkpoint_root(p)
+    if step is not None:
+        chosen = step_dir(root, step)
+        if not chosen.is_dir():
+            raise ExportError(f"{root}: no step {step} (present: {_present(root)})")
+        return _verified(chosen)
+    newest = integrity.newest_intact(root, needs_config=True)
+    if newest is None:
+        raise ExportError(f"{root}: no complete checkpoint (present: {_present(root)})")
+    return _verified(newest)
+
+
+def model_config_of(source: ExportSource) -> DeepseekV4Config:
+    """The model the checkpoint holds: its own release config (checksummed with it), or for a
+    checkpoint saved without one the model its own config.yaml describes."""
+    stored = source.checkpoint / MODEL_CONFIG_FILE
+    if stored.is_file():
+        return adapter.config_from_release(json.loads(stored.read_text()), source=str(stored))
+    return model_config(source.run)
 
 
 def _stored_model_tensors(checkpoint: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -141,23 +177,28 @@ def export_checkpoint(
     progress: Callable[[int], None] | None = None,
 ) -> WriteSummary:
     """Write `source` as a release directory at `out` (atomic; see the module docstring)."""
-    cfg = model_config(source.run)
+    cfg = model_config_of(source)
     stored = _stored_model_tensors(source.checkpoint)
     _check_names(cfg, stored, source.checkpoint)
     tokenizer_dir = resolve_tokenizer_dir(tokenizer_of(source.run))
-    summary = write_release_state(
-        cfg,
-        _stored_state(source.checkpoint, _groups(list(adapter.name_table(cfg))), stored),
-        out,
-        dtype=dtype,
-        max_shard_bytes=max_shard_bytes,
-        extra_files=tokenizer_files(tokenizer_dir),
-        progress=progress,
-    )
+    try:  # the writer removes its temp dir on any failure: nothing partial is left
+        summary = write_release_state(
+            cfg,
+            _stored_state(source.checkpoint, _groups(list(adapter.name_table(cfg))), stored),
+            out,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            extra_files=tokenizer_files(tokenizer_dir),
+            progress=progress,
+        )
+    except OSError as exc:
+        error = describe_os_error(exc, "cannot write")
+        raise type(error)(f"export of {source.checkpoint} to {out}: {error}; nothing was left "
+                          "there") from exc  # fmt: skip
     log.info("exported %s -> %s (%s, %d shards)", source.checkpoint, out, dtype, summary.shards)
     return summary
 
 
 def release_tensor_count(source: ExportSource) -> int:
     """How many logical release tensors an export of `source` writes (the progress total)."""
-    return len(adapter.release_tensors(model_config(source.run)))
+    return len(adapter.release_tensors(model_config_of(source)))

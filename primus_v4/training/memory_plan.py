@@ -7,18 +7,15 @@ fp64 ones plus an fp32 copy of the shard with `optim.grad_reduce_dtype: float64`
 fp32 masters (none for float32 parameters: they are their own masters) and two fp32 moments for
 this rank's 1/n chunk, split device / host by `optim.offload_fraction`.
 
-Activations are the tensors autograd saves for backward, per token, per layer kind and role,
-MEASURED on CPU (`measure_saved_bytes`: the tiny preset in float32, one sample filling the row,
-saved-tensor hooks attributing every saved storage once to the innermost module running) at one
-sequence length and scaled as bytes/token = constant x unit(cfg) x dtype_bytes / 4, where
-unit is the role's width (attention: heads x head dim, MoE: top-k x expert ffn, mHC: streams x
-hidden, ...). That scaling assumes each role's saved tensors grow with its width, which holds for
-projections and elementwise math; terms that grow with other dimensions (sparse top-k, window)
-are where a Flash-sized plan is least certain. Pipeline stages hold the activations of
+Activations are the tensors autograd saves for backward, counted from the model code per layer
+part (`activation_plan.py`: each saved tensor's shape and dtype, the recompute choice's parts
+removed) and checked against measurements at Flash width in bf16
+(`benchmarks/bench_activation_width.py`). Pipeline stages hold the activations of
 min(micro-batches, pp - stage) micro-batches (1F1B); full recompute keeps each layer's input
-streams plus one layer's activations. The LM head + CE (models/deepseek_v4/linear_ce.py) is counted
-from its code: per CE call it saves d/dh [T, D] and an fp32 d/dW [V, D]; a chunk's fp32 logits
-[C, V] and one [V, D] fp32 product are transient.
+streams; the backward of one layer holds that layer's whole set again (its recompute). The LM
+head + CE (models/deepseek_v4/linear_ce.py) is counted from its code: per CE call it saves
+d/dh [T, D] and an fp32 d/dW [V, D]; a chunk's fp32 logits [C, V] and one [V, D] fp32 product
+are transient.
 """
 
 from __future__ import annotations
@@ -27,147 +24,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from primus_v4.data.packed_corpus import layout, to_thd_batch
-from primus_v4.data.thd import to_packed_seq_params
-from primus_v4.models.deepseek_v4 import DeepseekV4Model
+from primus_v4.kernels.saved_sets import planned_attention_backend
+from primus_v4.models.deepseek_v4.recompute import selected
 from primus_v4.parallel.data_parallel import BUCKET_BYTES
 from primus_v4.parallel.pipeline_layout import plan_stages
+from primus_v4.training.activation_plan import (
+    head_bytes,
+    kept,
+    layer_flops,
+    layer_parts,
+    mtp_extra,
+    recompute_flops,
+    step_flops,
+)
 from primus_v4.training.trainer import build_model
 from primus_v4.training.zero import pick_offloaded
 
 GIB = 2**30
-DEVICES_GB = {"MI300X": 192.0, "MI308X": 192.0, "MI355X": 288.0}
-
-# (kind, role) -> saved bytes per token per unit of the role's width, float32. Measured with
-# `python benchmarks/bench_memory_plan.py --measure` (`fit_constants`: tiny preset, vocab 512,
-# one sample filling a 4096-token row, recompute off). Roles split a layer's storages by the
-# module that saved them first; only a layer's sum is physical.
-SAVED_BYTES: dict[tuple[str, str], float] = {
-    ("csa", "attention"): 18.406,
-    ("csa", "block"): 13.281,
-    ("csa", "compressor"): 24.867,
-    ("csa", "moe"): 44.813,
-    ("csa", "norm"): 24.266,
-    ("csa", "router"): 35.5,
-    ("csa", "shared"): 24.0,
-    ("dense", "attention"): 18.156,
-    ("dense", "block"): 13.281,
-    ("dense", "moe"): 44.625,
-    ("dense", "norm"): 24.25,
-    ("dense", "router"): 36.5,
-    ("dense", "shared"): 24.0,
-    ("hca", "attention"): 18.289,
-    ("hca", "block"): 13.281,
-    ("hca", "compressor"): 16.511,
-    ("hca", "moe"): 44.688,
-    ("hca", "norm"): 24.282,
-    ("hca", "router"): 35.5,
-    ("hca", "shared"): 24.0,
-    ("model", "model"): 6.3281,
-    ("model", "norm"): 8.0625,
-    ("mtp", "attention"): 18.156,
-    ("mtp", "block"): 13.281,
-    ("mtp", "moe"): 44.813,
-    ("mtp", "mtp"): 6.2656,
-    ("mtp", "norm"): 44.438,
-    ("mtp", "router"): 36.5,
-    ("mtp", "shared"): 24.0,
-}
-
-
-def _unit(cfg: Any, role: str) -> int:
-    units = {
-        "attention": cfg.num_attention_heads * cfg.kv_channels,
-        "compressor": cfg.kv_channels,
-        "indexer": (cfg.index_n_heads or 1) * (cfg.index_head_dim or 1),
-        "moe": (cfg.moe_router_topk or 1) * (cfg.moe_ffn_hidden_size or 1),
-        "shared": cfg.moe_shared_expert_intermediate_size or 1,
-        "router": cfg.num_moe_experts or 1,
-        "norm": cfg.hidden_size,
-    }
-    return units.get(role, cfg.hc_mult * cfg.hidden_size)  # mHC, block, MTP projections
-
-
-_ROLE_OF_CLASS = {
-    "Attention": "attention",
-    "Compressor": "compressor",
-    "Indexer": "indexer",
-    "MoE": "moe",
-    "SharedExpert": "shared",
-    "Router": "router",
-    "HyperMixer": "mhc",
-    "RMSNorm": "norm",
-    "Block": "block",
-    "MTPDepth": "mtp",
-}
-
-
-def measure_saved_bytes(cfg: Any, seq: int) -> dict[tuple[str, str], float]:
-    """Saved-for-backward bytes of one forward of `cfg` (float32, CPU) on one sample of `seq`
-    tokens, by (layer kind, role); kind `model` holds what is outside the decoder layers,
-    except the CE's [V, D] gradient (counted from the code)."""
-    torch.manual_seed(0)
-    model = DeepseekV4Model(cfg)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    stack: list[tuple[str, str]] = [("model", "model")]
-    kinds = {id(b): cfg.layer_kind(i) for i, b in enumerate(model.layers)}
-    kinds.update({id(m.block): "mtp" for m in model.mtp})
-    hooks = []
-    for module in model.modules():
-        role = _ROLE_OF_CLASS.get(type(module).__name__)
-        if role is None:
-            continue
-
-        def pre(mod, *_, role=role):
-            kind = kinds.get(id(mod), stack[-1][0]) if role in ("block", "mtp") else stack[-1][0]
-            if role == "mtp":
-                kind = "mtp"
-            stack.append((kind, role))
-
-        def post(*_):
-            stack.pop()
-
-        hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    seen: set[int] = set()
-    out: dict[tuple[str, str], float] = {}
-    vd = cfg.vocab_size * cfg.hidden_size
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen and t.numel() != vd:
-            seen.add(ptr)
-            key = stack[-1]
-            out[key] = out.get(key, 0.0) + t.untyped_storage().nbytes()
-        return t
-
-    batch = _one_sample(seq)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(batch.input_ids_S[None], batch.position_ids_S[None],
-              packed_seq_params=to_packed_seq_params(batch), labels=batch.labels_S[None],
-              loss_mask=batch.loss_mask_S[None],
-              padding_mask=batch.padding_mask_S[None])  # fmt: skip
-    for h in hooks:
-        h.remove()
-    return out
-
-
-def _one_sample(seq: int) -> Any:
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(1, 500, size=seq)
-    targets = np.ones(seq, dtype=bool)
-    return to_thd_batch(layout(tokens, targets, np.array([seq]), seq_length=seq, pad_id=0))
-
-
-def fit_constants(cfg: Any, seq: int = 4096) -> dict[tuple[str, str], float]:
-    """(kind, role) -> saved bytes per token per unit, measured at `seq` tokens. Every tensor a
-    layer saves is [T, ...] (checked: no [T, S] score is kept for backward), so bytes grow
-    linearly with the rank's rows T; the longest row amortizes per-layer constants best."""
-    measured = measure_saved_bytes(cfg, seq)
-    return {k: float(f"{v / seq / _unit(cfg, k[1]):.5g}") for k, v in sorted(measured.items())}
 
 
 @dataclass(kw_only=True)
@@ -182,6 +55,9 @@ class MemoryPlan:
     stage: int
     rows: list[tuple[str, float, float, str]] = field(default_factory=list)
     device_bytes: float | None = None
+    notes: list[str] = field(default_factory=list)
+    attention: str = ""
+    """Whose saved set the sparse attention rows count, and why (the same for every stage)."""
 
     def add(self, name: str, device: float, host: float = 0.0, *, phase: str = "static") -> None:
         self.rows.append((name, float(device), float(host), phase))
@@ -212,6 +88,7 @@ class MemoryPlan:
             lines.append(
                 f"  device memory {self.device_bytes / GIB:.0f} GiB: plan uses {share:.1f}%"
             )
+        lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -230,17 +107,25 @@ def _stage_of(name: str, specs: list[Any], has_mtp: bool) -> set[int]:
     return {last}
 
 
-def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]) -> None:
-    """Weights, fp32 gradient buckets, masters and moments of one stage's parameters."""
+def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool, bool]]) -> None:
+    """Weights, gradient buckets, masters and moments of one stage's parameters
+    (name, numel, is an expert shard, is the pipeline-tied embedding)."""
     sizes, cfg, d = run.sizes, run.cfg, _dtype_bytes(run)
     dp_cp = sizes.world // (sizes.pp * sizes.cp) * sizes.cp
     expert_dp = sizes.world // (sizes.ep * sizes.pp)
-    weights = sum(numel for _, numel, _ in params) * d
+    weights = sum(p[1] for p in params) * d
+    lean = cfg.optim.grad_accum_dtype == "bfloat16"
     chunks, padded, shards = [], 0, 0
-    for _, numel, expert in params:
+    lean_padded = lean_shards = lean_alone = 0  # bf16 buckets; their fp32 shards / copies
+    for _, numel, expert, tied in params:
         n = expert_dp if expert else dp_cp
         c = math.ceil(numel / n)
         chunks.append(c)
+        if lean and not tied:  # the tied embedding's bucket stays float32
+            lean_padded += n * c
+            lean_shards += c if n > 1 else 0
+            lean_alone += c if n == 1 else 0
+            continue
         padded += n * c
         shards += c if n > 1 else 0
     host = pick_offloaded(chunks, cfg.optim.offload_fraction)
@@ -250,14 +135,23 @@ def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]
     if cfg.optim.grad_reduce_dtype == "float64":  # float64 buckets and shard, an fp32 copy
         plan.add("fp64 gradient buckets (+ reduced shard, fp32 copy)",
                  8 * (padded + shards) + 4 * sum(chunks))  # fmt: skip
-    else:
+    elif padded:
         plan.add("fp32 gradient buckets (+ reduced shard)", 4 * (padded + shards))
+    if lean:
+        plan.add("bf16 gradient buckets", 2 * lean_padded)
+        if lean_shards:  # reduce-scattered as backward finishes each bucket
+            plan.add("fp32 reduced shards of bf16 buckets", 4 * lean_shards, phase="backward")
+            plan.add("fp32 copy of one bf16 bucket being reduced",
+                     min(4 * lean_padded, 2 * BUCKET_BYTES), phase="backward")  # fmt: skip
+        # Without replicas the float32 gradient AdamW steps on exists only for the step.
+        plan.add("fp32 copies of unreplicated bf16 buckets (the step) + reduced shards",
+                 4 * (lean_alone + lean_shards), phase="step")  # fmt: skip
     if d != 4:
         plan.add("fp32 master chunks", 4 * on_dev, 4 * on_host)
     elif on_host:
         plan.add("fp32 master chunks (host copies)", 0, 4 * on_host)
     plan.add("fp32 Adam moments (2 per chunk)", 8 * on_dev, 8 * on_host)
-    biggest = max(numel for _, numel, _ in params)
+    biggest = max(p[1] for p in params)
     # A parameter's own-dtype gradient lives until its hook adds it to the bucket.
     plan.add("one parameter's own-dtype gradient", biggest * d, phase="backward")
     # The step: AdamW's denominator temporary of the largest chunk; the all-gather after it holds
@@ -268,66 +162,131 @@ def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool]]
     plan.add("AdamW temporary + weight all-gather buffers", 4 * max(chunks) + gather, phase="step")
 
 
-def layer_bytes(cfg: Any, kind: str, tokens: int, dtype_bytes: int) -> float:
-    """Saved activations of one layer of `kind` for `tokens` rows on the rank."""
-    per_token = sum(v * _unit(cfg, role) for (k, role), v in SAVED_BYTES.items() if k == kind)
-    return per_token * tokens * dtype_bytes / 4
+def saved_parts(cfg: Any, layer: int | None, *, rows: int, seq: int, b: int,
+                attention_backend: str = "torch") -> dict[str, float]:  # fmt: skip
+    """Saved bytes by part of decoder layer `layer`, or of an MTP depth (None)."""
+    kw = {"rows": rows, "seq": seq, "b": b, "attention_backend": attention_backend}
+    if layer is None:
+        parts = layer_parts(cfg, cfg_kind(cfg, None), **kw)
+        for name, v in mtp_extra(cfg, rows=rows, b=b).items():
+            parts[name] = parts.get(name, 0.0) + v
+        return parts
+    return layer_parts(cfg, cfg.layer_kind(layer), hashed=layer < cfg.num_hash_layers, **kw)
 
 
-def _activation_rows(
-    plan: MemoryPlan, run: Any, spec: Any, micro_batches: int, supervised_fraction: float
-) -> None:
-    cfg, sizes, d = run.model, run.sizes, _dtype_bytes(run)
-    t = run.cfg.data.seq_length // sizes.cp
-    pp, r = sizes.pp, spec.index
-    in_flight = 1 if pp == 1 else (min(micro_batches, pp - r) if micro_batches >= pp
-                                   else micro_batches)  # fmt: skip
-    kinds = [cfg.layer_kind(i) for i in spec.decoder_layers] + ["mtp"] * len(spec.mtp_depths)
-    full = {k: layer_bytes(cfg, k, t, d) for k in set(kinds)}
-    recompute = getattr(cfg, "recompute_granularity", None) == "full"
-    for kind in sorted(set(kinds)):
-        n = kinds.count(kind)
-        each = t * cfg.hc_mult * cfg.hidden_size * d if recompute else full[kind]
-        what = "input streams (recompute)" if recompute else "saved activations"
-        plan.add(f"{n} {kind} layers: {what} x {in_flight} micro-batch", n * each * in_flight,
+def cfg_kind(cfg: Any, layer: int | None) -> str:
+    from primus_v4.models.deepseek_v4.config import LAYER_KINDS
+
+    return cfg.layer_kind(layer) if layer is not None else LAYER_KINDS[cfg.mtp_compress_ratio]
+
+
+def in_flight(micro_batches: int, pp: int, stage: int) -> int:
+    """Micro-batches whose activations a 1F1B stage holds at once (GPipe: all of them)."""
+    if pp == 1:
+        return 1
+    return min(micro_batches, pp - stage) if micro_batches >= pp else micro_batches
+
+
+def activation_rows(plan: MemoryPlan, cfg: Any, spec: Any, *, seq: int, cp: int, b: int,
+                    held: int, supervised_fraction: float = 1.0,
+                    attention_backend: str = "torch") -> None:  # fmt: skip
+    """The backward-phase rows of one stage: saved activations of its layers for `held`
+    micro-batches in flight, one layer's backward working set, the head and CE."""
+    t = seq // cp
+    full_recompute = getattr(cfg, "recompute_granularity", None) == "full"
+    chosen = selected(cfg)
+    layers: list[int | None] = [*spec.decoder_layers, *([None] * len(spec.mtp_depths))]
+    full: list[float] = []
+    kept_: list[float] = []
+    by_kind: dict[str, list[float]] = {}
+    for layer in layers:
+        parts = saved_parts(cfg, layer, rows=t, seq=seq, b=b, attention_backend=attention_backend)
+        full.append(sum(parts.values()))
+        kept_.append(kept(parts, chosen))
+        each = t * cfg.hc_mult * cfg.hidden_size * b if full_recompute else kept_[-1]
+        kind = "mtp" if layer is None else cfg.layer_kind(layer)
+        by_kind.setdefault(kind, []).append(each)
+    what = "input streams (full recompute)" if full_recompute else "saved activations"
+    if chosen:
+        what += f" (recompute {','.join(sorted(chosen))})"
+    for kind in sorted(by_kind):
+        n = len(by_kind[kind])
+        plan.add(f"{n} {kind} layers: {what} x {held} micro-batch", sum(by_kind[kind]) * held,
                  phase="backward")  # fmt: skip
-    if kinds:
-        top = max(full.values())
-        plan.add("backward working set (one layer)" + (" + its recompute" if recompute else ""),
-                 top * (2 if recompute else 1), phase="backward")  # fmt: skip
+    if full:
+        # The layer in backward: its recomputed parts again (a full recompute: its whole set),
+        # plus the attention backward's gradients (the output's, its group and RoPE copies, dq
+        # and the kernel's row chunks: about 5 x [T, H x hd], bench_activation_width.py).
+        again = (
+            max(full) if full_recompute else max(f - k for f, k in zip(full, kept_, strict=True))
+        )
+        grads = 5 * t * cfg.num_attention_heads * cfg.kv_channels * b
+        label = " + its recompute" if again else ""
+        plan.add(f"backward working set (one layer{label})", again + grads, phase="backward")
     if spec.has_loss:
-        model_level = layer_bytes(cfg, "model", t, d)
         calls = 1 + len(spec.mtp_depths)
         v, dim = cfg.vocab_size, cfg.hidden_size
-        plan.add(f"head, CE: {calls} calls save fp32 dW [V, D] + streams", in_flight
-                 * (calls * v * dim * 4 + model_level), phase="backward")  # fmt: skip
+        saved = head_bytes(cfg, rows=t, b=b) + calls * (t * dim * b + v * dim * 4)
+        plan.add(f"head, CE: {calls} calls save d/dh [T, D] + fp32 dW [V, D] + streams",
+                 held * saved, phase="backward")  # fmt: skip
         rows = max(1, round(t * supervised_fraction))
         chunk = min(cfg.ce_chunk_size, rows)
         # ChunkedLinearCE's loop still holds the previous chunk's [C, V] while the next is made.
-        held = 2 if rows > chunk else 1
-        plan.add(f"CE transient: {held} x fp32 logits [{chunk}, V] + dW product",
-                 held * chunk * v * 4 + v * dim * 4, phase="backward")  # fmt: skip
+        two = 2 if rows > chunk else 1
+        plan.add(f"CE transient: {two} x fp32 logits [{chunk}, V] + dW product",
+                 two * chunk * v * 4 + v * dim * 4, phase="backward")  # fmt: skip
+    plan.notes.append(recompute_note(cfg, layers, seq=seq))
+
+
+def recompute_note(cfg: Any, layers: list[int | None], *, seq: int) -> str:
+    """Extra forward FLOPs the stage's recompute costs, relative to its step without it."""
+    full_recompute = getattr(cfg, "recompute_granularity", None) == "full"
+    chosen = selected(cfg)
+    extra = base = 0.0
+    for layer in layers:
+        flops = layer_flops(cfg, cfg_kind(cfg, layer), seq=seq)
+        base += step_flops(flops)
+        extra += sum(flops.values()) if full_recompute else recompute_flops(flops, chosen)
+    if not extra:
+        return "recompute: none"
+    return (
+        f"recompute: +{100 * extra / base:.1f}% of the layers' step FLOPs (forward "
+        f"{extra / max(len(layers), 1) / 1e9:.3f} GFLOP per token per layer again)"
+    )
 
 
 def plan_memory(
-    run: Any, *, device_gb: float | None = None, supervised_fraction: float = 1.0
+    run: Any,
+    *,
+    device_gb: float | None = None,
+    supervised_fraction: float = 1.0,
+    attention_backend: str | None = None,
 ) -> list[MemoryPlan]:
     """One `MemoryPlan` per pipeline stage for the resolved `run` (its world size and layout).
-    `supervised_fraction` of a pack's rows reach the LM head (1.0: the worst case)."""
+    `supervised_fraction` of a pack's rows reach the LM head (1.0: the worst case). The sparse
+    attention's saved set is `attention_backend`'s (None: the one `planned_attention_backend`
+    names: an accelerator's when `device_gb` is given, this machine's otherwise)."""
     cfg, sizes = run.model, run.sizes
+    why = "as asked"
+    if attention_backend is None:
+        attention_backend, why = planned_attention_backend(
+            for_accelerator=device_gb is not None, heads=cfg.num_attention_heads,
+            head_dim=cfg.kv_channels, b=_dtype_bytes(run),
+        )  # fmt: skip
     model = build_model(run)
     specs = plan_stages(pp=sizes.pp, num_layers=cfg.num_layers,
                         mtp_num_layers=cfg.mtp_num_layers or 0,
                         layout=run.cfg.parallel.pp_layout)  # fmt: skip
     has_mtp = bool(cfg.mtp_num_layers)
-    per_stage: list[list[tuple[str, int, bool]]] = [[] for _ in specs]
+    per_stage: list[list[tuple[str, int, bool, bool]]] = [[] for _ in specs]
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         expert = sizes.ep > 1 and name.rsplit(".", 1)[-1] in ("w_gate_up", "w_down")
         numel = p.numel() // (sizes.ep if expert else 1)
-        for s in _stage_of(name, specs, has_mtp):
-            per_stage[s].append((name, numel, expert))
+        stages = _stage_of(name, specs, has_mtp)
+        for s in stages:
+            per_stage[s].append((name, numel, expert, len(stages) > 1))
     dp = sizes.world // (sizes.pp * sizes.cp)
     micro = run.cfg.train.global_batch_size // dp
     plans = []
@@ -335,6 +294,10 @@ def plan_memory(
         plan = MemoryPlan(stage=spec.index,
                           device_bytes=device_gb * GIB if device_gb else None)  # fmt: skip
         _static_rows(plan, run, params)
-        _activation_rows(plan, run, spec, micro, supervised_fraction)
+        activation_rows(plan, cfg, spec, seq=run.cfg.data.seq_length, cp=sizes.cp,
+                        b=_dtype_bytes(run), held=in_flight(micro, sizes.pp, spec.index),
+                        supervised_fraction=supervised_fraction,
+                        attention_backend=attention_backend)  # fmt: skip
+        plan.attention = f"sparse attention saved as {attention_backend}'s: {why}"
         plans.append(plan)
     return plans

@@ -1,6 +1,7 @@
 """Preemption: SIGTERM (what schedulers send before killing a job) or SIGUSR1 (a common
 `--signal` choice for an early warning) asks the run to stop after the current step, save a
-checkpoint and exit 0; a second signal exits at once.
+checkpoint and exit 0 (a run without checkpoint.dir saves nothing and exits 128 + the signal's
+number, so a scheduler sees an unfinished run); a second signal exits at once.
 
 Ranks may receive the signal at different moments, so the stop is agreed: after each step every
 rank contributes its flag to one MAX all-reduce (a single scalar), and all ranks stop after the
@@ -32,6 +33,8 @@ class StopRequest:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.signal_name: str | None = None
+        self.signum: int | None = None
+        """The signal's number (the highest one when ranks got different signals)."""
         self.device = device
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
@@ -40,19 +43,21 @@ class StopRequest:
             # Second signal: the user (or scheduler) insists; no save, no cleanup.
             os.write(2, f"{name} again: exiting now without saving\n".encode())
             os._exit(128 + signum)
-        self.signal_name = name
+        self.signal_name, self.signum = name, signum
         os.write(2, f"{name} received: finishing the current step, then saving\n".encode())
 
     def agreed(self) -> bool:
         """True on every rank once any rank was signalled (collective when distributed)."""
-        local = self.signal_name is not None
+        local = self.signum or 0
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return local
-        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
+            return local > 0
+        flag = torch.tensor([float(local)], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0 and self.signal_name is None:
-            self.signal_name = "a signal on another rank"
-        return bool(flag.item() > 0)
+        got = int(flag.item())
+        if got > 0 and self.signal_name is None:
+            self.signum = got
+            self.signal_name = f"{signal.Signals(got).name} on another rank"
+        return got > 0
 
 
 @contextmanager

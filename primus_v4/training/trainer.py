@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from primus_v4.config import ResolvedRun, write_resolved
-from primus_v4.config.resolve import train_steps
+from primus_v4.config.resolve import check_pretrained, train_steps
 from primus_v4.data.pipeline import build_or_load
 from primus_v4.data.thd import ThdBatch, to_packed_seq_params
 from primus_v4.errors import PrimusError
@@ -39,7 +39,6 @@ from primus_v4.log import get_logger
 from primus_v4.models import model_spec
 from primus_v4.pretrained.load import rank_loader
 from primus_v4.training.batches import BatchSource, Corpus
-from primus_v4.training.checkpoint import find_latest
 from primus_v4.training.evaluation import Evaluator
 from primus_v4.training.loss import StepLoss, count_tokens, reduce_counts
 from primus_v4.training.metrics import (
@@ -52,7 +51,7 @@ from primus_v4.training.metrics import (
 )
 from primus_v4.training.metrics_history import keep_rows_through, read_history
 from primus_v4.training.preemption import stop_on_signals
-from primus_v4.training.run_checkpoints import RunCheckpoints
+from primus_v4.training.run_checkpoints import RunCheckpoints, check_steps
 from primus_v4.training.runtime import Runtime, init_runtime
 from primus_v4.training.zero import build_sharded_optimizer
 
@@ -116,6 +115,8 @@ class TrainResult:
     stop_signal: str | None = None
     saved: Path | None = None
     """The checkpoint written when the run stopped early (None without checkpoint.dir)."""
+    signum: int | None = None
+    """The number of the signal that stopped the run early."""
 
 
 class NonFiniteError(PrimusError):
@@ -137,6 +138,12 @@ class Trainer:
         self.run = run
         self.cfg = run.cfg
         self.runtime = runtime or init_runtime(run.sizes)
+        # Which checkpoint this run continues, decided (and verified) before any work: a refused
+        # resume costs seconds and writes nothing.
+        self.checkpoints = self._checkpoints()
+        self.resume_from = self.checkpoints.resume_point() if self.checkpoints else None
+        if self.resume_from is None:  # the release's weights will be read: are they all there?
+            check_pretrained(self.cfg, run.model)
         self.corpus = corpus if corpus is not None else build_corpus(run)
         self.source = BatchSource(
             self.corpus,
@@ -146,6 +153,8 @@ class Trainer:
             shuffle=self.cfg.train.shuffle,
         )
         self.total_steps = self._total_steps()
+        if self.resume_from is not None:
+            check_steps(self.resume_from, self.total_steps)
         model = model if model is not None else build_model(run)
         self.model = self._parallelize(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -161,8 +170,7 @@ class Trainer:
         self.mtp_scale = float(run.model.mtp_loss_scaling_factor or 0.0)
         self.start_step = 0
         self.skipped_steps = 0
-        self.stopped: tuple[int, str, Path | None] | None = None
-        self.checkpoints = self._checkpoints()
+        self.stopped: tuple[int, str, Path | None, int | None] | None = None
         self.evaluator = self._evaluator(eval_corpus)
 
     def _evaluator(self, corpus: Corpus | None) -> Any:
@@ -221,12 +229,15 @@ class Trainer:
     def _pretrained_weights(self) -> Any:
         """model.pretrained: a loader of this rank's slice, unless the run resumes its own
         checkpoint (which then overwrites every weight anyway, so nothing is read)."""
-        directory, ck = self.cfg.model.pretrained, self.cfg.checkpoint
+        directory = self.cfg.model.pretrained
         if directory is None:
             return None
-        latest = find_latest(ck.dir) if ck.dir is not None and ck.resume else None
-        if latest is not None:
-            log.info("resuming %s: it takes precedence over model.pretrained=%s", latest, directory)
+        if self.resume_from is not None:
+            log.info(
+                "resuming %s: it takes precedence over model.pretrained=%s",
+                self.resume_from,
+                directory,
+            )
             return None
         show = self.runtime.is_main and self.cfg.output.progress_bar
         return rank_loader(directory, progress=show)
@@ -326,7 +337,7 @@ class Trainer:
         """Interval saves, keep_last and resume rules (None when checkpoint.dir is unset)."""
         if self.cfg.checkpoint.dir is None:
             return None
-        return RunCheckpoints(self.cfg, world=self.run.sizes.world)
+        return RunCheckpoints(self.cfg, world=self.run.sizes.world, model=self.run.model)
 
     def _state(self) -> dict[str, Any]:
         # The data position is the step itself: BatchSource is a pure function of (seed, step).
@@ -335,10 +346,8 @@ class Trainer:
     def train(self) -> TrainResult:
         out_dir = Path(self.cfg.output.dir)
         main = self.runtime.is_main
-        if main:
+        if main:  # each checkpoint stores its own config (what export and resume read)
             write_resolved(self.cfg, out_dir)
-            if self.cfg.checkpoint.dir is not None:  # `primus-v4 export` reads it from there
-                write_resolved(self.cfg, self.cfg.checkpoint.dir)
         if self.checkpoints is not None:
             self.start_step = self.checkpoints.load_latest(**self._state()) or 0
         if main and self.start_step > 0:  # rows after the resumed step are redone: drop them
@@ -384,16 +393,16 @@ class Trainer:
                 if self.checkpoints is not None:
                     self.checkpoints.maybe_save(step + 1, final=step + 1 == steps, **self._state())
                 if step + 1 < steps and stop.agreed():
-                    self._stop_early(step + 1, stop.signal_name or "a signal")
+                    self._stop_early(step + 1, stop.signal_name or "a signal", stop.signum)
                     break
 
-    def _stop_early(self, step: int, signal_name: str) -> None:
+    def _stop_early(self, step: int, signal_name: str, signum: int | None) -> None:
         """Preemption: save now (when checkpoints are on) so a rerun resumes from `step`."""
         saved = None
         if self.checkpoints is not None:
             saved = self.checkpoints.maybe_save(step, final=True, **self._state())
             saved = saved or self.checkpoints.root / f"step_{step:08d}"  # saved by this step
-        self.stopped = (step, signal_name, saved)
+        self.stopped = (step, signal_name, saved, signum)
         log.warning("stopped after step %d on %s", step, signal_name)
 
     def _on_non_finite(self, metrics: StepMetrics) -> None:
@@ -417,7 +426,7 @@ class Trainer:
         summary = summarize(history, skipped=self.skipped_steps)
         result = TrainResult(rows, summary, out_dir, skipped_steps=self.skipped_steps)
         if self.stopped is not None:
-            result.stopped_at, result.stop_signal, result.saved = self.stopped
+            result.stopped_at, result.stop_signal, result.saved, result.signum = self.stopped
         if self.runtime.is_main:
             result.artifacts["metrics"] = out_dir / "metrics.jsonl"
             result.artifacts["config"] = out_dir / "config.yaml"

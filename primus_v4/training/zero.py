@@ -34,6 +34,16 @@ each other, so both groupings give the same float64 value and the same rounded f
 (0 of the 415k elements differ): dp=N reproduces dp=1 bit for bit, for twice the gradient-buffer
 bytes and twice the reduce-scatter bytes. The default stays float32, the sums AdamW always got.
 
+Lean buckets (`optim.grad_accum_dtype: bfloat16`, opt-in, bf16 models). The micro-batches'
+gradients add into bf16 buckets (the parameters' dtype: half the bytes of the full-size fp32
+buckets, the largest term of a Flash stage's plan after the weights). Each bucket is upcast to
+float32 only to be reduced: over replicas, as one float32 reduce-scatter into a float32 shard
+(1/n of the bucket) when its last gradient arrives; without replicas (n = 1, e.g. every expert
+shard at expert-DP 1) after backward, as the float32 copy AdamW steps on, freed after the step.
+Cost: each added micro-batch rounds the running sum to bf16 (2^-9 relative; the first one is
+exact, it already is bf16), measured as the tiny model's 30-step loss curve against float32
+buckets (benchmarks/bench_grad_buffers.py).
+
 Why not torch FSDP2 (`fully_shard` + MixedPrecisionPolicy), which does run on gloo CPU here: it
 turns parameters into DTensors sharded for compute (ZeRO-3), while this engine's expert shards
 are plain tensors already sliced over EP and tagged for the grad norm and checkpoints, the
@@ -117,8 +127,10 @@ class Bucket:
     index: int
     slots: list[Slot] = field(default_factory=list)
     segment: int = 0  # S
-    grad: torch.Tensor | None = None  # grad_dtype [n * S], rank-major
+    grad: torch.Tensor | None = None  # grad_dtype (lean: bf16) [n * S], rank-major
     shard: torch.Tensor | None = None  # grad_dtype [S]: this rank's reduced segment
+    lean: bool = False  # bf16 `grad`; `shard` / `reduced` exist from the reduction to the step
+    send: torch.Tensor | None = None  # lean, n > 1: the float32 copy being reduce-scattered
     reduced: torch.Tensor | None = None  # fp32 [S]: `shard` rounded (is `shard` in fp32)
     work: Any = None
     launched: bool = False
@@ -127,8 +139,12 @@ class Bucket:
     done: int = 0
 
     def buffer_bytes(self) -> int:
-        distinct = {id(t): t for t in (self.grad, self.shard, self.reduced)}.values()
+        held = [t for t in (self.grad, self.shard, self.reduced, self.send) if t is not None]
+        distinct = {id(t): t for t in held}.values()
         return sum(t.numel() * t.element_size() for t in distinct)
+
+    def itemsize(self, opt: ShardedAdamW) -> int:
+        return (opt.grad_dtype if self.deferred else opt.accum_dtype).itemsize
 
     def chunk_view(self, slot: Slot, buffer: torch.Tensor) -> torch.Tensor:
         """[n, c] strided view of `slot`'s chunks inside a rank-major [n * S] buffer."""
@@ -188,8 +204,17 @@ class ShardedAdamW(Optimizer):
         bucket_bytes: int = BUCKET_BYTES,
         deferred: Callable[[nn.Parameter], bool] | None = None,
         grad_dtype: torch.dtype = torch.float32,
+        accum_dtype: torch.dtype | None = None,
     ) -> None:
         self.ctx = ctx
+        if accum_dtype not in (None, grad_dtype) and (
+            accum_dtype != torch.bfloat16 or grad_dtype != torch.float32
+        ):
+            raise ConfigError(
+                f"ShardedAdamW accum_dtype {accum_dtype} with grad_dtype {grad_dtype}: lean "
+                "(bfloat16) accumulation reduces in float32; set optim.grad_reduce_dtype float32"
+            )
+        self.accum_dtype = accum_dtype or grad_dtype
         if grad_dtype not in (torch.float32, torch.float64):
             raise ConfigError(
                 f"ShardedAdamW grad_dtype must be float32 or float64, got {grad_dtype}: set "
@@ -237,7 +262,7 @@ class ShardedAdamW(Optimizer):
             n = axis.size
             slot.chunk = -(-slot.numel // n)
             alone = deferred(slot.param)  # in a bucket of its own, exposed as `main_grad`
-            full = b is not None and b.segment * n * self.grad_dtype.itemsize >= bucket_bytes
+            full = b is not None and b.segment * n * b.itemsize(self) >= bucket_bytes
             if alone or b is None or b.deferred or full:
                 b = current[slot.expert] = Bucket(axis=axis, deferred=alone, index=len(buckets))
                 buckets.append(b)
@@ -250,6 +275,11 @@ class ShardedAdamW(Optimizer):
         for b in buckets:
             dev = b.slots[0].param.device
             kind = {"dtype": self.grad_dtype, "device": dev}
+            # The tied embedding's bucket (summed across stages first) stays in grad_dtype.
+            b.lean = self.accum_dtype != self.grad_dtype and not b.deferred
+            if b.lean:
+                b.grad = torch.zeros(b.axis.size * b.segment, dtype=self.accum_dtype, device=dev)
+                continue
             b.grad = torch.zeros(b.axis.size * b.segment, **kind)
             b.shard = b.grad if b.axis.size == 1 else torch.zeros(b.segment, **kind)
             wide = self.grad_dtype != torch.float32
@@ -356,6 +386,13 @@ class ShardedAdamW(Optimizer):
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
+        if b.lean:
+            if b.axis.size > 1:  # reduce in float32 now; n = 1 upcasts after backward
+                b.send = b.grad.float()
+                b.shard = torch.empty(b.segment, device=b.grad.device)
+                b.work = dist.reduce_scatter_tensor(b.shard, b.send, group=b.axis.group,
+                                                    async_op=True)  # fmt: skip
+            return
         if b.axis.size > 1:
             b.work = dist.reduce_scatter_tensor(b.shard, b.grad, group=b.axis.group,
                                                 async_op=True)  # fmt: skip
@@ -378,7 +415,12 @@ class ShardedAdamW(Optimizer):
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
-            if b.reduced is not b.shard:
+            if b.lean:
+                b.reduced = b.shard if b.axis.size > 1 else b.grad.float()
+                b.send = None
+                for s in b.slots:
+                    s.grad = b.reduced[s.offset : s.offset + s.size]
+            elif b.reduced is not b.shard:
                 b.reduced.copy_(b.shard)  # float64 sums rounded once, to what AdamW steps on
             b.done, b.launched, b.work = 0, False, None
             for s in b.slots:
@@ -394,12 +436,22 @@ class ShardedAdamW(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         for b in self.buckets:
             b.grad.zero_()
+            if b.lean:
+                self._free_lean(b)
+                continue
             if b.shard is not b.grad:
                 b.shard.zero_()
             if b.reduced is not b.shard:
                 b.reduced.zero_()
         for s in self.slots:
             s.param.grad = None
+
+    @staticmethod
+    def _free_lean(b: Bucket) -> None:
+        """A lean bucket's float32 copies live from its reduction to the step."""
+        b.shard = b.reduced = b.send = None
+        for s in b.slots:
+            s.grad = None
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -435,6 +487,9 @@ class ShardedAdamW(Optimizer):
                 sub.step()
         for s in self.slots:
             s.master.grad = None
+        for b in self.buckets:
+            if b.lean:
+                self._free_lean(b)
         self.write_back()
         return None
 
@@ -479,7 +534,7 @@ class ShardedAdamW(Optimizer):
         return (
             f"{len(self.slots)} parameters in {len(self.buckets)} buckets, masters + moments "
             f"{dev / 2**20:.1f} MiB device + {host / 2**20:.1f} MiB host, "
-            f"{str(self.grad_dtype).removeprefix('torch.')} grads "
+            f"{str(self.accum_dtype).removeprefix('torch.')} grads "
             f"{b['grad_buffers'] / 2**20:.1f} MiB (dp x cp {self.ctx.dp_cp.size}, expert-dp "
             f"{self.ctx.expert_dp.size})"
         )
@@ -520,5 +575,7 @@ def build_sharded_optimizer(
         # across the two stages after the schedule, before the replicas reduce it.
         deferred=lambda p: bool(getattr(p, "pipeline_tied", False)),
         grad_dtype=getattr(torch, o.grad_reduce_dtype),
+        # float32 means "accumulate in grad_dtype" (float64 with grad_reduce_dtype: float64).
+        accum_dtype=torch.bfloat16 if o.grad_accum_dtype == "bfloat16" else None,
     )
     return optimizer, LambdaLR(optimizer, schedule)

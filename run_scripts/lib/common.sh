@@ -17,9 +17,25 @@ PRIMUS_TORCHRUN="${PRIMUS_TORCHRUN:-}"
 # The --set overrides handed to the trainer, built up by primus_add_set.
 PRIMUS_SETS=()
 
+# Exit statuses, as primus-v4's (primus_v4/errors.py ExitCode): 3 a bad knob (config), 4 a
+# tokenizer (data), 7 a release directory, 70 a failure of this script itself; a failed
+# validation exits with the trainer's own status.
+PRIMUS_EXIT_CONFIG=3
+PRIMUS_EXIT_DATA=4
+PRIMUS_EXIT_PRETRAINED=7
+PRIMUS_EXIT_INTERNAL=70
+
+# primus_die MESSAGE...: one line on stderr, exit 3 (a knob of the recipe is wrong).
 primus_die() {
+  primus_die_with "${PRIMUS_EXIT_CONFIG}" "$@"
+}
+
+# primus_die_with STATUS MESSAGE...: one line on stderr, exit STATUS.
+primus_die_with() {
+  local status="$1"
+  shift
   echo "${PRIMUS_SCRIPT_NAME}: error: $*" >&2
-  exit 1
+  exit "${status}"
 }
 
 primus_log() {
@@ -61,7 +77,7 @@ primus_probe_tokenizer() {
   PRIMUS_TOKENIZER_DIR=""
   if [[ -n "${V4_TOKENIZER:-}" ]]; then
     [[ -f "${V4_TOKENIZER}/tokenizer.json" ]] ||
-      primus_die "V4_TOKENIZER=${V4_TOKENIZER} has no tokenizer.json; point it at the" \
+      primus_die_with "${PRIMUS_EXIT_DATA}" "V4_TOKENIZER=${V4_TOKENIZER} has no tokenizer.json; point it at the" \
         "model directory that holds tokenizer.json, or unset it to probe"
     PRIMUS_TOKENIZER_DIR="${V4_TOKENIZER}"
     return 0
@@ -75,7 +91,7 @@ primus_probe_tokenizer() {
     fi
   done
   [[ "${PRIMUS_ALLOW_BUNDLED_TOKENIZER}" == "1" ]] ||
-    primus_die "no tokenizer.json in V4_TOKENIZER or any of PRIMUS_TOKENIZER_PROBE_DIRS" \
+    primus_die_with "${PRIMUS_EXIT_DATA}" "no tokenizer.json in V4_TOKENIZER or any of PRIMUS_TOKENIZER_PROBE_DIRS" \
       "(${PRIMUS_TOKENIZER_PROBE_DIRS}); set V4_TOKENIZER=/path/to/DeepSeek-V4-Flash, or" \
       "PRIMUS_ALLOW_BUNDLED_TOKENIZER=1 to use the DeepSeek-V4 tokenizer shipped with the package"
   if [[ -n "${PRIMUS_TOKENIZER_PROBE_DIRS}" ]]; then
@@ -103,7 +119,7 @@ primus_add_set_if() {
 primus_add_pretrained() {
   [[ -n "${PRIMUS_PRETRAINED:-}" ]] || return 0
   [[ -f "${PRIMUS_PRETRAINED}/config.json" ]] ||
-    primus_die "PRIMUS_PRETRAINED=${PRIMUS_PRETRAINED} has no config.json; point it at a released" \
+    primus_die_with "${PRIMUS_EXIT_PRETRAINED}" "PRIMUS_PRETRAINED=${PRIMUS_PRETRAINED} has no config.json; point it at a released" \
       "checkpoint directory (config.json + model.safetensors.index.json + shards)," \
       "e.g. PRIMUS_PRETRAINED=/apps/DeepSeek-V4-Flash"
   # Absolute, because validation and launch run from the repository root.
@@ -153,19 +169,31 @@ primus_export_network() {
 }
 
 # The trainer's own validation with the real world size. On success PRIMUS_RESOLVED_JSON holds
-# its single-line resolved config; on failure the trainer's message is shown and we exit.
+# its single-line resolved config; on failure the trainer's one-line message (what and where) is
+# the error, and the recipe exits with the trainer's status. With
+# PRIMUS_MEMORY_PLAN=1 (the default) it also prints the per-rank memory plan for
+# PRIMUS_DEVICE_MEMORY (MI300X, MI308X, MI355X or GiB; default MI300X) on stderr and, when a
+# pipeline stage does not fit, stops with the trainer's one-line reason (exit 3; the override
+# PRIMUS_IGNORE_MEMORY_PLAN=1 is named in it). The plan builds the model on the meta device
+# (~10 s for Flash); PRIMUS_MEMORY_PLAN=0 skips it.
 primus_validate() {
-  local world=$((NNODES * GPUS_PER_NODE)) out rc=0
+  local world=$((NNODES * GPUS_PER_NODE)) out rc=0 plan=()
+  if [[ "${PRIMUS_MEMORY_PLAN:-1}" == "1" ]]; then
+    plan=(--device-memory "${PRIMUS_DEVICE_MEMORY:-MI300X}")
+  fi
   out="$(cd "${PRIMUS_REPO_ROOT}" && env -u RANK -u LOCAL_RANK WORLD_SIZE="${world}" \
     "${PRIMUS_PYTHON}" -m primus_v4 train --config "${PRIMUS_CONFIG}" "${PRIMUS_SETS[@]}" \
-    --dry-run)" || rc=$?
+    --dry-run "${plan[@]}")" || rc=$?
+  if ((rc == 3)); then
+    exit 3 # the memory gate said why, in one line
+  fi
   if ((rc != 0)); then
-    primus_die "config validation failed (world size ${world} = ${NNODES} nodes x" \
-      "${GPUS_PER_NODE} GPUs, config ${PRIMUS_CONFIG}); see the message above"
+    exit "${rc}"
   fi
   PRIMUS_RESOLVED_JSON="$(printf '%s\n' "${out}" | grep -E '^\{.*\}$' | tail -n 1 || true)"
   [[ -n "${PRIMUS_RESOLVED_JSON}" ]] ||
-    primus_die "the trainer's --dry-run printed no JSON config line; got: ${out}"
+    primus_die_with "${PRIMUS_EXIT_INTERNAL}" "the trainer's --dry-run printed no JSON config" \
+      "line; got: ${out//$'\n'/ }"
 }
 
 # The torchrun command line, as an array (PRIMUS_COMMAND).
@@ -187,25 +215,12 @@ primus_print_dry_run() {
       --nnodes "${NNODES}" --gpus-per-node "${GPUS_PER_NODE}" --node-rank "${NODE_RANK}" \
       --master-addr "${MASTER_ADDR}" --master-port "${MASTER_PORT}" \
       --tokenizer "${PRIMUS_TOKENIZER_DIR:-}" --recipe "${PRIMUS_SCRIPT_NAME}" ||
-    primus_die "could not summarize the resolved config"
+    primus_die_with "${PRIMUS_EXIT_INTERNAL}" "could not summarize the resolved config"
   (
     printf '%q' "${PRIMUS_COMMAND[0]}"
     printf ' %q' "${PRIMUS_COMMAND[@]:1}"
     printf '\n'
   )
-  primus_print_memory_plan
-}
-
-# The per-rank memory plan of the resolved recipe (primus-v4 inspect memory), on stderr so that
-# stdout stays the JSON line + the command. PRIMUS_MEMORY_PLAN=0 skips it (it builds the model on
-# the meta device: ~10 s for Flash); PRIMUS_DEVICE_MEMORY: MI300X, MI308X, MI355X or GiB.
-primus_print_memory_plan() {
-  [[ "${PRIMUS_MEMORY_PLAN:-1}" == "1" ]] || return 0
-  (cd "${PRIMUS_REPO_ROOT}" &&
-    "${PRIMUS_PYTHON}" -m primus_v4 inspect memory --config "${PRIMUS_CONFIG}" \
-      "${PRIMUS_SETS[@]}" --world-size "$((NNODES * GPUS_PER_NODE))" \
-      --device-memory "${PRIMUS_DEVICE_MEMORY:-MI300X}") >&2 ||
-    primus_log "memory plan unavailable (primus-v4 inspect memory failed)"
 }
 
 # Validate, then print (DRY_RUN=1) or launch with this node's output teed to PRIMUS_NODE_LOG.
@@ -216,6 +231,9 @@ primus_run() {
   # Absolute, because validation and launch run from the repository root.
   PRIMUS_CONFIG="$(cd "$(dirname "${PRIMUS_CONFIG}")" && pwd)/$(basename "${PRIMUS_CONFIG}")"
   primus_add_pretrained
+  if [[ "${PRIMUS_IGNORE_MEMORY_PLAN:-0}" == "1" ]]; then
+    primus_add_set train.ignore_memory_plan true
+  fi
   primus_add_extra_sets
   if [[ "${DRY_RUN:-0}" == "1" || "${PRIMUS_PREFLIGHT:-1}" == "1" ]]; then
     primus_validate

@@ -74,6 +74,9 @@ def summarize(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "steps": lookup(config, "train.steps"),
         "lr": lookup(config, "train.lr"),
         "optimizer_offload_fraction": lookup(config, "optim.offload_fraction"),
+        "recompute": lookup(config, "model.recompute"),
+        "recompute_modules": lookup(config, "model.recompute_modules"),
+        "grad_accum_dtype": lookup(config, "optim.grad_accum_dtype"),
         "fused_linear_ce": fused,
         # Unfused, the trainer uses one chunk spanning the row: the preset's size does not apply.
         "ce_chunk_size": model_field(config, "ce_chunk_size") if fused else None,

@@ -44,6 +44,7 @@ def fp8_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _load_rank(rank: int, world: int, directory: str, ckpt_root: str) -> dict:
+    from primus_v4.config import dump_yaml, load_config
     from primus_v4.models.deepseek_v4 import DeepseekV4Model
     from primus_v4.training.checkpoint import save
     from primus_v4.training.zero import ShardedAdamW
@@ -58,10 +59,13 @@ def _load_rank(rank: int, world: int, directory: str, ckpt_root: str) -> dict:
             weights=lambda m: loads.append(load_rank_weights(m, directory)),
         )  # fmt: skip
         model = done.model
-        # the layout's DCP checkpoint, exported below (with an optimizer, as the trainer saves)
+        # the layout's DCP checkpoint, exported below (with an optimizer and the run's config
+        # stored in the step, as the trainer saves)
+        run = load_config(overrides=["model.preset=null", f"model.pretrained={directory}"])
         opt = ShardedAdamW(list(model.named_parameters()), ctx, lr=1e-3, betas=(0.9, 0.95),
                            eps=1e-8, weight_decay=0.0, offload_fraction=0.0)  # fmt: skip
-        save(ckpt_root, step=1, model=model, optimizer=opt)
+        save(ckpt_root, step=1, model=model, optimizer=opt,
+             extra_files={"config.yaml": dump_yaml(run)})  # fmt: skip
         return {
             "pp": ctx.pp.rank,
             "ep": ctx.ep.rank,
@@ -145,12 +149,9 @@ def test_export_of_the_pp2_ep2_checkpoint_is_the_release_again(
     """The DCP checkpoint the 4 ranks wrote (stages + expert shards) exports in one process to
     the release tensors the model was loaded from: bf16 values of the dequantized weights for
     the fp8 / fp4 / bf16 kinds, exact for fp32 and int64."""
-    from primus_v4.config import load_config, write_resolved
     from primus_v4.training.export_run import export_checkpoint, find_source
 
     root = loaded[1]
-    run = load_config(overrides=["model.preset=null", f"model.pretrained={fp8_release}"])
-    write_resolved(run, root)
     summary = export_checkpoint(find_source(root), tmp_path / "out", max_shard_bytes=256 * 1024)
     assert summary.shards > 1
     with CheckpointReader(tmp_path / "out") as got, CheckpointReader(fp8_release) as src:

@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from recipe_runner import REPO, run_recipe
+from recipe_runner import REPO, run_recipe, sparse_release
 
 from primus_v4.cli import build_parser, main
 
@@ -56,14 +56,12 @@ def _commands(readme: str, heading: str) -> list[list[str]]:
 
 
 def _flash_release(tmp_path: Path) -> Path:
-    """A stand-in for the released checkpoint: validation reads only its config.json."""
+    """A stand-in for the released checkpoint: validation reads its config.json and the shard
+    headers (over sparse data)."""
     from primus_v4.models.deepseek_v4 import DeepseekV4Config
-    from primus_v4.models.deepseek_v4.state_dict_adapter import config_to_release
 
     flash = tmp_path / "DeepSeek-V4-Flash"
-    flash.mkdir()
-    release = config_to_release(DeepseekV4Config.preset("deepseek_v4_flash"))
-    (flash / "config.json").write_text(json.dumps(release))
+    sparse_release(flash, DeepseekV4Config.preset("deepseek_v4_flash"))
     return flash
 
 

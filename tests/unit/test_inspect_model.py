@@ -7,6 +7,7 @@ import json
 import pytest
 
 from primus_v4.cli import main
+from primus_v4.errors import ExitCode
 
 
 def test_inspect_model_reports_structure_and_counts(capsys: pytest.CaptureFixture[str]) -> None:
@@ -23,6 +24,6 @@ def test_inspect_model_reports_structure_and_counts(capsys: pytest.CaptureFixtur
 
 
 def test_inspect_unknown_preset_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", "model", "no_such_model"]) == 2
+    assert main(["inspect", "model", "no_such_model"]) == ExitCode.CONFIG
     err = capsys.readouterr().err
     assert "unknown model preset 'no_such_model'" in err and "deepseek_v4_flash" in err

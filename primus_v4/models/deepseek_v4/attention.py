@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from primus_v4 import kernels
@@ -39,6 +38,8 @@ from primus_v4.models.deepseek_v4.compressor import Compressor, build_window_pla
 from primus_v4.models.deepseek_v4.config import LAYER_KINDS, DeepseekV4Config
 from primus_v4.models.deepseek_v4.indexer import Indexer
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
+from primus_v4.models.deepseek_v4.norm import RMSNorm, rms_norm
+from primus_v4.models.deepseek_v4.recompute import DiscardedPart, selected
 from primus_v4.models.deepseek_v4.rope import RotaryEmbedding
 
 
@@ -58,10 +59,10 @@ class Attention(nn.Module):
         self.n_heads, self.head_dim, self.eps = h, d, cfg.layernorm_epsilon
         self.scale = 1.0 / math.sqrt(d)
         self.wq_a = nn.Linear(dh, cfg.q_lora_rank, bias=False)
-        self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=self.eps)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, self.eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
         self.wkv = nn.Linear(dh, d, bias=False)
-        self.kv_norm = nn.RMSNorm(d, eps=self.eps)
+        self.kv_norm = RMSNorm(d, self.eps)
         g = cfg.o_groups
         # 64 heads x 512 / 8 groups = 4096 inputs per group, each projected to o_lora_rank.
         self.wo_a = nn.Parameter(torch.empty(g, cfg.o_lora_rank, h * d // g))
@@ -84,6 +85,7 @@ class Attention(nn.Module):
             nn.init.normal_(lin.weight, std=cfg.init_method_std)
         self.init_weights(cfg.init_method_std)
         self._attend = kernels.resolve("sparse_attention")
+        self.recompute = selected(cfg)  # mla_up_proj / core_attn (recompute.py)
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
@@ -103,15 +105,17 @@ class Attention(nn.Module):
         if positions_T.shape != (layout.local_rows,):
             raise ValueError(f"{where}: positions must be [T], got {tuple(positions_T.shape)}")
 
+    def _q_up(self, qr_TQ: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        """Rotated q [T, H, D] from the q-LoRA latent (the `mla_up_proj` part)."""
+        q_THD = self.wq_b(qr_TQ).view(qr_TQ.shape[0], self.n_heads, self.head_dim)
+        return self.rope(rms_norm(q_THD, None, self.eps), positions_T)
+
     def _qkv(self, x_TD: torch.Tensor, positions_T: torch.Tensor):
         """Rotated q [T, H, D], rotated kv [T, D] and the q-LoRA latent qr [T, Q] (the indexer's
         query input)."""
-        t = x_TD.shape[0]
         qr_TQ = self.q_norm(self.wq_a(x_TD))
-        q_THD = self.wq_b(qr_TQ).view(t, self.n_heads, self.head_dim)
-        q_THD = F.rms_norm(q_THD, (self.head_dim,), eps=self.eps)
-        kv_TD = self.kv_norm(self.wkv(x_TD))
-        return self.rope(q_THD, positions_T), self.rope(kv_TD, positions_T), qr_TQ
+        kv_TD = self.rope(self.kv_norm(self.wkv(x_TD)), positions_T)
+        return self._q_up(qr_TQ, positions_T), kv_TD, qr_TQ
 
     def _window_ranges(self, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Key-buffer range [lo, hi) of each row's window: itself and W-1 rows back, own sample."""
@@ -120,18 +124,37 @@ class Attention(nn.Module):
         lo_T = torch.maximum(row_T - back, layout.seq_start_T) + back
         return lo_T, row_T + 1 + back
 
-    def _output(self, o_THD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+    def _groups(self, o_THD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        """[G, T, H*D/G]: the rope channels rotated back by -position, split by output group."""
         o_THD = self.rope(o_THD, positions_T, inverse=True)
-        g = self.wo_a.shape[0]
-        o_TGI = o_THD.reshape(o_THD.shape[0], g, -1)
-        return self.wo_b(torch.einsum("tgi,gri->tgr", o_TGI, self.wo_a).flatten(1))
+        return o_THD.reshape(o_THD.shape[0], self.wo_a.shape[0], -1).transpose(0, 1).contiguous()
+
+    def _core(self, q_THD, kv_ND, sink_H, lo_TR, hi_TR, idx_TK, positions_T) -> torch.Tensor:
+        """Sparse attention, output split into groups (the `core_attn` part)."""
+        o_THD = self._attend(q_THD, kv_ND, sink_H, lo_TR=lo_TR, hi_TR=hi_TR, idx_TK=idx_TK,
+                             scale=self.scale)  # fmt: skip
+        return self._groups(o_THD, positions_T)
+
+    def _project(self, o_GTI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grouped low-rank output: each group's H*D/G channels -> o_lora, then all -> hidden;
+        returns ([G, T, O] after the first map, [T, hidden])."""
+        y_GTR = torch.bmm(o_GTI, self.wo_a.transpose(1, 2))
+        return y_GTR, self.wo_b(y_GTR.transpose(0, 1).flatten(1))
+
+    def _output(self, o_THD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        return self._project(self._groups(o_THD, positions_T))[1]
 
     def forward(
         self, x_TD: torch.Tensor, *, positions_T: torch.Tensor, layout: RowLayout
     ) -> torch.Tensor:
         layout = require_layout(layout, f"Attention(layer {self.layer_idx}, {self.kind})")
         self._check(x_TD, positions_T, layout)
-        q_THD, kv_TD, qr_TQ = self._qkv(x_TD, positions_T)
+        qr_TQ = self.q_norm(self.wq_a(x_TD))
+        up = self._q_up
+        if "mla_up_proj" in self.recompute:
+            up = DiscardedPart(self._q_up, params=[self.wq_b.weight])
+        q_THD = up(qr_TQ, positions_T)
+        kv_TD = self.rope(self.kv_norm(self.wkv(x_TD)), positions_T)
         parts = [layout.comm.left_rows(kv_TD, self.window - 1), kv_TD]
         lo_T, hi_T = self._window_ranges(layout)
         lo_TR, hi_TR, idx_TK = lo_T[:, None], hi_T[:, None], None
@@ -147,13 +170,12 @@ class Attention(nn.Module):
                     x_TD, qr_TQ, positions_T=positions_T, layout=layout, rope=self.rope, plan=plan
                 )
                 idx_TK = torch.where(sel_TK >= 0, sel_TK + off, -1)
-        o_THD = self._attend(
-            q_THD,
-            torch.cat(parts, dim=0),
-            self.attn_sink,
-            lo_TR=lo_TR,
-            hi_TR=hi_TR,
-            idx_TK=idx_TK,
-            scale=self.scale,
-        )
-        return self._output(o_THD, positions_T)
+        core = DiscardedPart(self._core) if "core_attn" in self.recompute else self._core
+        o_GTI = core(q_THD, torch.cat(parts, dim=0), self.attn_sink, lo_TR, hi_TR, idx_TK,
+                     positions_T)  # fmt: skip
+        y_GTR, out_TD = self._project(o_GTI)
+        # Recompute q before the attention output (and its backward) needs it again.
+        for part in (up, core):
+            if isinstance(part, DiscardedPart):
+                part.discard(after=y_GTR)
+        return out_TD

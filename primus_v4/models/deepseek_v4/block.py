@@ -18,6 +18,7 @@ from primus_v4.models.deepseek_v4.hyper_connection import HyperMixer
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
 from primus_v4.models.deepseek_v4.moe import Dispatcher, MoE, RoutingInputs
 from primus_v4.models.deepseek_v4.norm import RMSNorm
+from primus_v4.models.deepseek_v4.recompute import DiscardedPart, checkpointed, selected
 
 
 def _mixer(cfg: DeepseekV4Config) -> HyperMixer:
@@ -50,6 +51,13 @@ class Block(nn.Module):
         self.ffn_mix = _mixer(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon)
         self.moe = MoE(cfg, layer_idx=layer_idx, dispatcher=dispatcher)
+        self.recompute = selected(cfg)  # layernorm / moe (recompute.py)
+
+    def _attn_input(self, x_TKD: torch.Tensor, pre_TK: torch.Tensor) -> torch.Tensor:
+        return self.attn_norm(self.attn_mix.collapse(x_TKD, pre_TK))
+
+    def _ffn_input(self, x_TKD: torch.Tensor, pre_TK: torch.Tensor) -> torch.Tensor:
+        return self.ffn_norm(self.ffn_mix.collapse(x_TKD, pre_TK))
 
     def forward(
         self,
@@ -61,15 +69,21 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (new streams, this layer's MoE balance loss)."""
         layout = require_layout(layout, f"decoder layer {self.layer_idx}")
+        norms = "layernorm" in self.recompute
         pre, post, comb = self.attn_mix.coefficients(x_TKD)
-        h_TD = self.attn(
-            self.attn_norm(self.attn_mix.collapse(x_TKD, pre)),
-            positions_T=positions_T,
-            layout=layout,
+        part = (
+            DiscardedPart(self._attn_input, [self.attn_norm.weight]) if norms else self._attn_input
         )
+        h_TD = self.attn(part(x_TKD, pre), positions_T=positions_T, layout=layout)
+        if norms:
+            part.discard(after=h_TD)
         x_TKD = self.attn_mix.write_back(x_TKD, h_TD, post, comb)
         pre, post, comb = self.ffn_mix.coefficients(x_TKD)
-        h_TD, aux = self.moe(self.ffn_norm(self.ffn_mix.collapse(x_TKD, pre)), routing)
+        part = DiscardedPart(self._ffn_input, [self.ffn_norm.weight]) if norms else self._ffn_input
+        moe = (lambda x, r: checkpointed(self.moe, x, r)) if "moe" in self.recompute else self.moe
+        h_TD, aux = moe(part(x_TKD, pre), routing)
+        if norms:
+            part.discard(after=(h_TD, aux))  # the balance loss reaches the router by itself
         return self.ffn_mix.write_back(x_TKD, h_TD, post, comb), aux
 
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from primus_v4 import kernels
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
+from primus_v4.models.deepseek_v4.norm import RMSNorm
 from primus_v4.models.deepseek_v4.rope import RotaryEmbedding
 
 
@@ -125,7 +126,7 @@ class Compressor(nn.Module):
         self.wkv = nn.Linear(hidden_size, coff * dim, bias=False)
         self.wgate = nn.Linear(hidden_size, coff * dim, bias=False)
         self.ape = nn.Parameter(torch.zeros(ratio, coff * dim))
-        self.norm = nn.RMSNorm(dim, eps=eps)
+        self.norm = RMSNorm(dim, eps)
         for lin in (self.wkv, self.wgate):
             nn.init.normal_(lin.weight, std=init_std)
         self.init_weights(init_std)

@@ -92,9 +92,18 @@ class DeepseekV4Config(TransformerConfig):
     """Reserved; kept False."""
 
     def __post_init__(self) -> None:
+        # Selective recompute names this model's parts (models/deepseek_v4/recompute.py);
+        # Megatron's checks of its own module list do not apply to them.
+        modules, self.recompute_modules = self.recompute_modules, []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             super().__post_init__()
+        self.recompute_modules = modules
+        if self.recompute_granularity == "selective":
+            from primus_v4.models.deepseek_v4.recompute import DEFAULT_MODULES, check_modules
+
+            self.recompute_modules = list(DEFAULT_MODULES if modules is None else modules)
+            check_modules(self.recompute_modules)
         if len(self.compress_ratios) != self.num_layers:
             raise ConfigError(
                 f"compress_ratios has {len(self.compress_ratios)} entries but num_layers is "

@@ -13,6 +13,8 @@ its own learned scalar scale and a bias. `HyperHead` collapses the K streams onc
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,6 +52,39 @@ def _rms_scale(x_TX: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
+class _LowPrecisionProjection(torch.autograd.Function):
+    """(x W^T) / rms(x) in float32 from bf16 streams, saving x as it came: the plain expression
+    would save the float32 copy of the [T, K*D] streams (8 bytes per element where x has 2)."""
+
+    @staticmethod
+    def forward(ctx: Any, x_TX: torch.Tensor, w_NX: torch.Tensor, eps: float):  # type: ignore[override]
+        x32 = x_TX.float()
+        r_T1 = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x_TX, w_NX, r_T1)
+        return F.linear(x32, w_NX.float()) * r_T1
+
+    @staticmethod
+    def backward(ctx: Any, g_TN: torch.Tensor):  # type: ignore[override]
+        x_TX, w_NX, r_T1 = ctx.saved_tensors
+        x32, w32 = x_TX.float(), w_NX.float()
+        z_TN = F.linear(x32, w32)
+        dz_TN = g_TN * r_T1
+        # d r / d x = -r^3 x / X: the row scale's share of the input gradient.
+        dr_T1 = (g_TN * z_TN).sum(-1, keepdim=True) * (-(r_T1**3) / x32.shape[-1])
+        dx = dz_TN @ w32 + dr_T1 * x32
+        dw = dz_TN.t() @ x32 if ctx.needs_input_grad[1] else None
+        return dx.to(x_TX.dtype), None if dw is None else dw.to(w_NX.dtype), None
+
+
+def _stream_logits(x_TKD: torch.Tensor, w_NX: torch.Tensor, eps: float) -> torch.Tensor:
+    """[T, N] = (flat streams @ W^T) / rms(flat streams), float32 (mHC's coefficient logits)."""
+    flat = x_TKD.reshape(x_TKD.shape[0], -1)
+    if flat.dtype in (torch.float32, torch.float64):  # the expression float32 runs always used
+        flat = flat.float()
+        return F.linear(flat, w_NX.float()) * _rms_scale(flat, eps)
+    return _LowPrecisionProjection.apply(flat, w_NX, eps)
+
+
 def lift_streams(x_TD: torch.Tensor, k: int) -> torch.Tensor:
     """Enter mHC: every stream starts as a copy of the embedding."""
     return x_TD.unsqueeze(1).expand(-1, k, -1).contiguous()
@@ -76,9 +111,8 @@ class HyperMixer(nn.Module):
     def coefficients(self, x_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k = self.k
         t = x_TKD.shape[0]
-        flat = x_TKD.reshape(t, -1).float()
         # Weights cast to float32 here too, so a model cast to bf16 still mixes in float32.
-        mix = F.linear(flat, self.proj.weight.float()) * _rms_scale(flat, self.norm_eps)
+        mix = _stream_logits(x_TKD, self.proj.weight, self.norm_eps)
         sc = self.scale.float()
         scale = torch.cat([sc[0].expand(k), sc[1].expand(k), sc[2].expand(k * k)])
         mix = mix * scale + self.bias.float()
@@ -122,9 +156,7 @@ class HyperHead(nn.Module):
         nn.init.zeros_(self.bias)
 
     def forward(self, x_TKD: torch.Tensor) -> torch.Tensor:
-        t = x_TKD.shape[0]
-        flat = x_TKD.reshape(t, -1).float()
-        logits_TK = F.linear(flat, self.proj.weight.float()) * _rms_scale(flat, self.norm_eps)
+        logits_TK = _stream_logits(x_TKD, self.proj.weight, self.norm_eps)
         logits_TK = logits_TK * self.scale.float()
         w_TK = torch.sigmoid(logits_TK + self.bias.float()) + self.eps
         return weighted_sum(w_TK, x_TKD)

@@ -19,7 +19,8 @@ from primus_v4.kernels.grouped_experts import clamped_swiglu
 from primus_v4.kernels.registry import resolve
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.layout import RowLayout
-from primus_v4.models.deepseek_v4.stream_sums import EXACT, weighted_sum
+from primus_v4.models.deepseek_v4.recompute import checkpointed, selected
+from primus_v4.models.deepseek_v4.stream_sums import EXACT, float32_linear, weighted_sum
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,7 +200,7 @@ class Router(nn.Module):
         """Returns (expert_RK, weight_RK, affinity_RE) for the routed rows."""
         # Scores for every row keep the gate in the graph even when nothing is routed, so an
         # all-padding pack yields zero (not missing) gradients.
-        scores_TE = torch.sqrt(F.softplus(x_TD.float() @ self.weight.float().t()))
+        scores_TE = torch.sqrt(F.softplus(float32_linear(x_TD, self.weight)))
         scores_RE = scores_TE.index_select(0, routing.routed_rows_R)
         if self.hashed:
             ids_R = routing.token_ids_T.index_select(0, routing.routed_rows_R)
@@ -311,6 +312,7 @@ class MoE(nn.Module):
         self.shared = SharedExpert(cfg) if cfg.moe_shared_expert_intermediate_size else None
         self.dispatcher: Dispatcher = dispatcher or LocalDispatcher()
         self.grouped_experts = resolve(GROUPED_EXPERTS)
+        self.recompute_shared = "shared_experts" in selected(cfg)
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.w_gate_up, std=std)
@@ -326,9 +328,12 @@ class MoE(nn.Module):
         y_MD = self.grouped_experts(x_MD, counts, self.w_gate_up, self.w_down, limit=self.limit)
         y_RD = self.dispatcher.combine(y_MD, weight_RK, handle)
         # Routed and shared outputs summed in float32 and rounded once (as the release's MoE).
-        y_TD = y_RD.new_zeros(x_TD.shape).index_add(0, routing.routed_rows_R, y_RD)
+        # index_put, not index_add: index_add's backward keeps the float32 [R, D] source alive.
+        y_TD = y_RD.new_zeros(x_TD.shape).index_put((routing.routed_rows_R,), y_RD, accumulate=True)
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD).float()
+            shared = self.shared
+            y_TD = y_TD + (checkpointed(shared, x_TD) if self.recompute_shared
+                           else shared(x_TD)).float()  # fmt: skip
         y_TD = y_TD.to(x_TD.dtype)
         if self.hashed or not self.aux_coeff:
             # Hash routing is fixed: a balance loss could only push the gate, not the routing.

@@ -28,6 +28,7 @@ from primus_v4.models.deepseek_v4.hyper_connection import HyperHead
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
 from primus_v4.models.deepseek_v4.moe import Dispatcher, RoutingInputs
 from primus_v4.models.deepseek_v4.norm import RMSNorm
+from primus_v4.models.deepseek_v4.recompute import DiscardedPart, selected
 
 IGNORE_LABEL = -100
 
@@ -122,6 +123,7 @@ class MTPDepth(nn.Module):
         self.head_hc = HyperHead(hidden=d, k=cfg.hc_mult, eps=cfg.hc_eps, norm_eps=eps)
         self.final_norm = RMSNorm(d, eps)
         self.checkpoint = False  # set by the model (activation checkpointing)
+        self.recompute_norms = "layernorm" in selected(cfg)
 
     def forward(
         self,
@@ -134,7 +136,15 @@ class MTPDepth(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (streams for the next depth, normed hidden for the LM head, balance loss)."""
         layout = require_layout(layout, f"MTP depth {self.depth}")
-        x_TKD = self.e_proj(self.enorm(emb_TD)).unsqueeze(1) + self.h_proj(self.hnorm(h_TKD))
+        if self.recompute_norms:
+            enorm = DiscardedPart(self.enorm, [self.enorm.weight])
+            hnorm = DiscardedPart(self.hnorm, [self.hnorm.weight])
+            e_TD, h_TKD = self.e_proj(enorm(emb_TD)), self.h_proj(hnorm(h_TKD))
+            enorm.discard(after=e_TD)
+            hnorm.discard(after=h_TKD)
+        else:
+            e_TD, h_TKD = self.e_proj(self.enorm(emb_TD)), self.h_proj(self.hnorm(h_TKD))
+        x_TKD = e_TD.unsqueeze(1) + h_TKD
         x_TKD, aux = run_block(
             self.block,
             x_TKD,

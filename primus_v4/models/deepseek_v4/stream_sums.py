@@ -75,3 +75,26 @@ def weighted_sum(
     if x_TID.dtype in EXACT:  # the expression float32 runs always used
         return torch.einsum("ti,tid->td", w_TI.to(x_TID.dtype), x_TID).to(out_dtype or x_TID.dtype)
     return mix(w_TI.unsqueeze(-1), x_TID, out_dtype=out_dtype)[:, 0]
+
+
+class _Float32Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x_TD: torch.Tensor, w_ED: torch.Tensor):  # type: ignore[override]
+        ctx.save_for_backward(x_TD, w_ED)
+        return x_TD.float() @ w_ED.float().t()
+
+    @staticmethod
+    def backward(ctx: Any, g_TE: torch.Tensor):  # type: ignore[override]
+        x_TD, w_ED = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dx = (g_TE @ w_ED.float()).to(x_TD.dtype) if need[0] else None
+        dw = (g_TE.t() @ x_TD.float()).to(w_ED.dtype) if need[1] else None
+        return dx, dw
+
+
+def float32_linear(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """x @ w^T in float32 (the router's logits). bf16 inputs are saved as they came: the plain
+    `x.float() @ w.float().t()` would keep float32 copies of both for backward."""
+    if x_TD.dtype in EXACT and w_ED.dtype in EXACT:
+        return x_TD.float() @ w_ED.float().t()  # the expression float32 runs always used
+    return _Float32Linear.apply(x_TD, w_ED)

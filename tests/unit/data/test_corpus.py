@@ -78,3 +78,25 @@ def test_synthetic_is_deterministic_and_alpaca_like(tokenizer: TextTokenizer) ->
     # Alpaca under this tokenizer and template: median ~100-130 tokens, a tail to ~600.
     assert 100 <= np.median(lengths) <= 130
     assert 400 <= lengths.max() <= 650 and np.percentile(lengths, 99) > 350
+
+
+def test_a_line_that_is_not_utf8_is_one_bad_row(tmp_path: Path) -> None:
+    good = json.dumps({"instruction": "a", "output": "b"}).encode()
+    lines = tmp_path / "mixed.jsonl"
+    lines.write_bytes(good + b"\n" + b'{"instruction": "caf\xe9", "output": "x"}\n' + good + b"\n")
+    rows = read_rows(resolve_source(str(lines)))
+    assert [r.where for r in rows] == [f"{lines} line {i}" for i in (1, 2, 3)]
+    assert rows[1].value is NOT_JSON and rows[1].error == "not UTF-8 (byte 0xe9 at column 21)"
+    assert rows[0].value == rows[2].value == json.loads(good)
+    whole = tmp_path / "list.json"
+    whole.write_bytes(b'[\n{"instruction": "a",\n "output": "\xff"}]\n')
+    with pytest.raises(DataError, match=rf"corpus {whole} line 3, column 13: byte 0xff is not UTF"):
+        read_rows(resolve_source(str(whole)))
+
+
+def test_a_utf8_bom_is_not_a_row(tmp_path: Path) -> None:
+    row = {"instruction": "a", "output": "b"}
+    for name, body in (("bom.jsonl", json.dumps(row)), ("bom.json", json.dumps([row]))):
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + body.encode() + b"\n")
+        assert [r.value for r in read_rows(resolve_source(str(path)))] == [row], name

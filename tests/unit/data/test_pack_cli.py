@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from primus_v4.cli import main
+from primus_v4.errors import ExitCode
 
 REPO = Path(__file__).resolve().parents[3]
 STATS_KEYS = [
@@ -91,7 +92,7 @@ def test_export_jsonl_matches_the_packs(
 
 
 def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    assert main(argv) == 2
+    assert main(argv) == ExitCode.DATA
     err = capsys.readouterr().err
     assert err.startswith("primus-v4 pack: error: ") and "Traceback" not in err
     return err

@@ -17,7 +17,7 @@ from primus_v4.data.corpus import read_rows, resolve_source
 from primus_v4.data.pipeline import PackSpec, build_or_load
 from primus_v4.data.templates import Rendered, render
 from primus_v4.data.tokenizer import TextTokenizer
-from primus_v4.errors import DataError
+from primus_v4.errors import DataError, ExitCode
 
 
 def _write(path: Path, rows: list[Any]) -> Path:
@@ -230,7 +230,7 @@ def test_strict_fails_on_a_fresh_build_and_on_a_cache_hit(
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "hit" in out and f"{path} line 2" in out  # the first bad rows are in the summary
-    assert main([*argv, "--strict"]) == 2
+    assert main([*argv, "--strict"]) == ExitCode.DATA
     assert "--strict: the cached packs" in capsys.readouterr().err
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from primus_v4.config.preflight import writable_problem
+from primus_v4.errors import ExitCode
 
 REPO = Path(__file__).resolve().parents[3]
 # The CLI in a fresh interpreter, reporting whether the command got as far as importing torch.
@@ -93,7 +94,7 @@ def test_each_path_problem_is_one_line_before_any_work(
     item, expected = _cases(tmp_path)[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     proc, seconds = _train(tmp_path, item, dry_run=dry_run)
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == ExitCode.PATH, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("primus-v4 train: error: "), proc.stderr
     assert expected in lines[0]

@@ -7,39 +7,23 @@ from the resumed step); metrics.jsonl holds each step once across a resume."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from faults import captured_logs
 from train_fakes import RAGGED_PACKS, FakeCorpus, FakeLM, tiny_run
 
 from primus_v4.cli import main
-from primus_v4.errors import ConfigError
+from primus_v4.errors import CheckpointError, ResumeError
 from primus_v4.training.checkpoint import step_dir
 from primus_v4.training.lr_schedule import warmup_cosine
 from primus_v4.training.metrics import read_metrics
 
 STEPS = ("train.steps=6", "train.warmup_steps=1", "train.global_batch_size=2")
 KEYS = ("loss", "mtp_loss", "aux_loss", "grad_norm", "lr")
-
-
-@contextmanager
-def captured_logs() -> Iterator[list[str]]:
-    """The package logger does not propagate to the root logger (so no caplog)."""
-    messages: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("primus_v4")
-    logger.addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
 
 
 class _LM(FakeLM):
@@ -106,7 +90,7 @@ def test_damaged_latest_falls_back_and_continues_exactly(full: Path, tmp_path: P
     assert main(["inspect", "checkpoint", str(ck), "--verify"]) == 1
     with captured_logs() as logs:
         result = _run(tmp_path)
-    warning = next(m for m in logs if m.startswith("skipping damaged checkpoint"))
+    warning = next(m for m in logs if m.startswith("skipping unusable checkpoint"))
     assert str(victim) in warning
     assert ("corrupt" if how == "bitflip" else "truncated") in warning
     assert [r.step for r in result.rows] == [3, 4, 5, 6]  # resumed from step 2
@@ -146,14 +130,15 @@ def test_every_checkpoint_damaged_is_an_error(full: Path, tmp_path: Path) -> Non
     ck = _stopped_after_4(full, tmp_path)
     for step in (2, 4):
         _damage(_largest_shard(step_dir(ck, step)), "bitflip")
-    with pytest.raises(Exception, match=r"every checkpoint in .* is damaged"):
+    unusable = r"no usable checkpoint in .*step_00000004 \(.*corrupt.*step_00000002 \("
+    with pytest.raises(CheckpointError, match=unusable):
         _run(tmp_path)
 
 
 def test_resume_with_another_model_names_the_keys(full: Path, tmp_path: Path) -> None:
     _stopped_after_4(full, tmp_path)
     keys = r"model.overrides.hidden_size: None -> 128, model.overrides.vocab_size: 512 -> 1024"
-    with pytest.raises(ConfigError, match=keys):
+    with pytest.raises(ResumeError, match=keys):
         _run(tmp_path, "model.overrides.hidden_size=128", "model.overrides.vocab_size=1024")
 
 
@@ -179,5 +164,5 @@ def test_resume_with_other_model_parallel_sizes_is_an_error(full: Path, tmp_path
         check_resumable(saved, cfg, world=2)  # only the data-parallel size changes: resharded
     assert any("saved by 1 ranks on 2 ranks" in m for m in logs)
     other = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=2))
-    with pytest.raises(ConfigError, match=r"changed in parallel.cp: 1 -> 2"):
+    with pytest.raises(ResumeError, match=r"changed in parallel.cp: 1 -> 2"):
         check_resumable(saved, other, world=2)

@@ -171,3 +171,47 @@ def test_bad_settings_raise() -> None:
         warmup_cosine(**{**SCHEDULE, "warmup_steps": 20})
     with pytest.raises(ConfigError, match="min_lr"):
         warmup_cosine(**{**SCHEDULE, "min_lr": 0.1})
+
+
+def _lean_pair(micro: int) -> tuple[list[torch.Tensor], list[torch.Tensor], ShardedAdamW]:
+    """Reduced gradients of one step of `micro` micro-batches: float32 buckets vs bf16 ones."""
+    out, lean_opt = [], None
+    for accum in (torch.float32, torch.bfloat16):
+        model = _model().to(torch.bfloat16)
+        opt = ShardedAdamW(list(model.named_parameters()), ParallelContext.single(), **HYPER,
+                           offload_fraction=0.0, accum_dtype=accum)  # fmt: skip
+        opt.zero_grad()
+        opt.begin(micro)
+        gen = torch.Generator().manual_seed(3)
+        for x in torch.randn(3 * micro, 8, generator=gen).chunk(micro):
+            model(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+        opt.reduce_gradients()
+        out.append([s.grad.clone() for s in opt.slots])
+        lean_opt = opt
+    return out[0], out[1], lean_opt
+
+
+def test_bf16_buckets_hold_the_bf16_rounding_of_the_float32_sum() -> None:
+    # One micro-batch: a bf16 gradient is exact in a bf16 bucket, so both paths agree bit for bit.
+    full, lean, _ = _lean_pair(1)
+    assert all(torch.equal(a, b) for a, b in zip(full, lean, strict=True))
+    # Three: the bf16 bucket rounds each running sum once (float32 buckets do not).
+    full, lean, opt = _lean_pair(3)
+    assert not all(torch.equal(a, b) for a, b in zip(full, lean, strict=True))
+    for a, b in zip(full, lean, strict=True):
+        assert b.dtype == torch.float32
+        # Two bf16 roundings of the running sum: within 2 x 2^-8 of the float32 sum's scale.
+        assert (a - b).abs().max() <= 2 * 2**-8 * a.abs().max()
+    fp32_bytes = sum(4 * s.param.numel() for s in opt.slots)
+    assert opt.state_bytes()["grad_buffers"] == fp32_bytes // 2 + fp32_bytes  # + the copies
+    opt.step()  # the float32 copies exist from the reduction to the step only
+    assert opt.state_bytes()["grad_buffers"] == fp32_bytes // 2
+    assert all(s.grad is None for s in opt.slots)
+
+
+def test_bf16_buckets_need_float32_reduction() -> None:
+    model = _model().to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="float32"):
+        ShardedAdamW(list(model.named_parameters()), ParallelContext.single(), **HYPER,
+                     offload_fraction=0.0, accum_dtype=torch.bfloat16,
+                     grad_dtype=torch.float64)  # fmt: skip
