@@ -72,6 +72,12 @@ PRIMUS_RECOMPUTE="${PRIMUS_RECOMPUTE:-${recompute}}"                # none | sel
 PRIMUS_RECOMPUTE_MODULES="${PRIMUS_RECOMPUTE_MODULES:-${modules}}" # selective: comma-separated
 PRIMUS_GRAD_ACCUM_DTYPE="${PRIMUS_GRAD_ACCUM_DTYPE:-float32}"      # float32 | bfloat16 buckets
 
+# --- LoRA: adapters on the release's modules, the base frozen (rank 0 = full fine-tuning) -----
+PRIMUS_LORA_RANK="${PRIMUS_LORA_RANK:-0}"
+PRIMUS_LORA_ALPHA="${PRIMUS_LORA_ALPHA:-16}"
+PRIMUS_LORA_TARGETS="${PRIMUS_LORA_TARGETS:-}"                # comma-separated; empty = default
+PRIMUS_LORA_EXPERTS="${PRIMUS_LORA_EXPERTS:-per_expert}"      # per_expert | shared
+
 # --- data: corpus, packing, node-local cache ---------------------------------------------------
 PRIMUS_DATA_PATH="${PRIMUS_DATA_PATH:-tatsu-lab/alpaca}" # file, dir, hub name or `synthetic`
 PRIMUS_DATA_FORMAT="${PRIMUS_DATA_FORMAT:-auto}" # messages, sharegpt, alpaca, prompt_completion
@@ -132,6 +138,14 @@ primus_add_set optim.grad_accum_dtype "${PRIMUS_GRAD_ACCUM_DTYPE}"
 primus_add_set model.recompute "${PRIMUS_RECOMPUTE}"
 if [[ "${PRIMUS_RECOMPUTE}" == "selective" && -n "${PRIMUS_RECOMPUTE_MODULES}" ]]; then
   primus_add_set model.recompute_modules "[${PRIMUS_RECOMPUTE_MODULES}]"
+fi
+if [[ "${PRIMUS_LORA_RANK}" != "0" ]]; then
+  primus_add_set model.lora.rank "${PRIMUS_LORA_RANK}"
+  primus_add_set model.lora.alpha "${PRIMUS_LORA_ALPHA}"
+  primus_add_set model.lora.expert_adapters "${PRIMUS_LORA_EXPERTS}"
+  if [[ -n "${PRIMUS_LORA_TARGETS}" ]]; then
+    primus_add_set model.lora.targets "[${PRIMUS_LORA_TARGETS}]"
+  fi
 fi
 primus_add_set output.dir "${PRIMUS_OUTPUT_DIR}"
 primus_add_set checkpoint.dir "${PRIMUS_CKPT_DIR}"

@@ -182,6 +182,12 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(f"{key}: expected {_type_name(hint)}, got {value!r}")
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping of {hint.__name__} keys, got {value!r}")
+        return _build(hint, value, key)
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:
@@ -211,24 +217,26 @@ def _build_section(name: str, values: Any, where: _Where) -> Any:
     cls = SECTIONS[name]
     if not isinstance(values, Mapping):
         raise ConfigError(f"{where(name)}: section {name!r} must be a mapping, got {values!r}")
+    try:
+        return _build(cls, values, name)
+    except ConfigError as exc:  # the message starts with the innermost key at fault
+        key = str(exc).partition(":")[0]
+        at = key if key.startswith(name) else name
+        raise ConfigError(f"{where(at)}: {exc}") from None
+
+
+def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+    """The dataclass `cls` from a mapping: unknown keys and wrong types are errors naming the
+    dotted key; a field that is itself a dataclass (model.lora) is built the same way."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
-        dotted = f"{name}.{key}"
+        dotted = f"{prefix}.{key}"
         if key not in known:
-            raise _unknown(dotted, known, where, "key")
-        try:
-            kwargs[key] = coerce(value, hints[key], dotted)
-        except ConfigError as exc:  # the message starts with the innermost key at fault
-            inner = str(exc).partition(":")[0]
-            at = inner if inner.startswith(dotted) else dotted
-            raise ConfigError(f"{where(at)}: {exc}") from None
-    try:
-        return cls(**kwargs)
-    except ConfigError as exc:
-        key = str(exc).partition(":")[0]
-        raise ConfigError(f"{where(key)}: {exc}") from None
+            raise _unknown(dotted, known, lambda k: k, "key")
+        kwargs[key] = coerce(value, hints[key], dotted)
+    return cls(**kwargs)
 
 
 def _chosen(key: str, where: _Where) -> bool:

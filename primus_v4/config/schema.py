@@ -80,6 +80,48 @@ class DataConfig:
         _require(self.lock_timeout_s > 0, "data.lock_timeout_s", "must be > 0")
 
 
+LORA_TARGETS = (
+    "wq_a", "wq_b", "wkv", "wo_a", "wo_b", "compressor.wkv", "compressor.wgate",
+    "shared_experts.w1", "shared_experts.w2", "shared_experts.w3",
+    "experts.w1", "experts.w2", "experts.w3",
+)  # fmt: skip
+"""LoRA targets by the release's module names inside a layer (`layers.N.attn.*`,
+`layers.N.ffn.*`): the attention projections, the attention's compressor, the shared and the
+routed experts (w1 gate, w3 up, w2 down). The indexer has no backward (it is frozen)."""
+LORA_DEFAULT_TARGETS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts.w1",
+                        "shared_experts.w2", "shared_experts.w3", "experts.w1", "experts.w2",
+                        "experts.w3")  # fmt: skip
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters on named release modules; the base is frozen (rank 0: off)."""
+
+    rank: int = 0
+    """Adapter rank r (0 = full fine-tuning, no adapters)."""
+    alpha: float = 16.0
+    """The update is (alpha / rank) B A x, as PEFT's lora_alpha."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (PEFT's lora_dropout)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    """Which modules get adapters, by release name (LORA_TARGETS)."""
+    expert_adapters: Literal["per_expert", "shared"] = "per_expert"
+    """Routed experts: one adapter per expert, or one shared by the experts of a rank."""
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 0, "model.lora.rank", f"must be >= 0, got {self.rank}")
+        _require(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
+        _require(0.0 <= self.dropout < 1.0, "model.lora.dropout",
+                 f"must be in [0, 1), got {self.dropout}")  # fmt: skip
+        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        _require(not unknown, "model.lora.targets",
+                 f"unknown {unknown}; choose from {list(LORA_TARGETS)}")  # fmt: skip
+        _require(bool(self.targets) or not self.rank, "model.lora.targets",
+                 "must name at least one module when model.lora.rank > 0")  # fmt: skip
+        _require(len(set(self.targets)) == len(self.targets), "model.lora.targets",
+                 f"names a module twice: {self.targets}")  # fmt: skip
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """Which DeepSeek-V4 to build."""
@@ -112,6 +154,9 @@ class ModelConfig:
     collapse + RMSNorm before attention and MoE), `mla_up_proj` (query up-projection, its norm
     and RoPE), `core_attn` (sparse attention and the output-group split), `shared_experts`,
     `moe` (the whole MoE); None = [layernorm, mla_up_proj, core_attn]."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA fine-tuning (model.lora.rank > 0): adapters on the named modules, the base frozen;
+    only adapters get gradients, optimizer state and checkpoint bytes."""
     router_bias_update_rate: float = 0.0
     """DeepSeek-V3-style update of the routed layers' gate.bias after each optimizer step:
     b_e += rate * sign(mean_load - load_e) on the step's global expert loads (0 = off, the

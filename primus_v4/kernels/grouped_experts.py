@@ -13,6 +13,7 @@ once at construction (`registry.resolve(OP_NAME)`).
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,6 +61,46 @@ def clamped_swiglu(gate_up_MF2: torch.Tensor, limit: float) -> torch.Tensor:
     return _LowPrecisionSwiGLU.apply(gate_up_MF2, limit)
 
 
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertLoRA:
+    """Low-rank adapters of the routed experts: `scale` B A on the gate (w1), up (w3) and down
+    (w2) projections, each (A [E', r, in], B [E', out, r]) or None. E' is the call's experts
+    (one adapter per expert) or 1 (one shared by them). `drop` is applied to an adapter's input
+    (LoRA dropout; identity when off)."""
+
+    gate: Pair | None = None
+    up: Pair | None = None
+    down: Pair | None = None
+    scale: float = 1.0
+    drop: Any = None
+
+    def pairs(self) -> list[Pair]:
+        return [p for p in (self.gate, self.up, self.down) if p is not None]
+
+
+def _in(lora: ExpertLoRA, x: torch.Tensor) -> torch.Tensor:
+    return lora.drop(x) if lora.drop is not None else x
+
+
+def _loop_delta(x: torch.Tensor, pair: Pair, e: int, lora: ExpertLoRA) -> torch.Tensor:
+    a, b = pair
+    i = 0 if a.shape[0] == 1 else e
+    return (_in(lora, x) @ a[i].t()) @ b[i].t() * lora.scale
+
+
+def _adapted_gate_up(h_MF2, x_MD, lora, delta) -> torch.Tensor:
+    """h with the gate and up adapters added (`delta(x, pair)`): new tensors, never in place."""
+    if lora is None or (lora.gate is None and lora.up is None):
+        return h_MF2
+    g, u = h_MF2.chunk(2, dim=-1)
+    g = g + delta(x_MD, lora.gate) if lora.gate is not None else g
+    u = u + delta(x_MD, lora.up) if lora.up is not None else u
+    return torch.cat((g, u), dim=-1)
+
+
 def grouped_experts_reference(
     x_MD: torch.Tensor,
     tokens_per_expert_E: list[int],
@@ -67,22 +108,35 @@ def grouped_experts_reference(
     w_down_EDF: torch.Tensor,
     *,
     limit: float,
+    lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """Rows [off_e, off_e + n_e) go through expert e; returns [M, D] in the same order. Weights
-    are [E, out, in] (nn.Linear's layout): gate rows [0, F), up rows [F, 2F)."""
+    are [E, out, in] (nn.Linear's layout): gate rows [0, F), up rows [F, 2F). `lora` adds the
+    experts' adapters."""
     outs = []
     offset = 0
     for e, n in enumerate(tokens_per_expert_E):
         if n == 0:
             continue
         rows = x_MD[offset : offset + n]
-        outs.append(clamped_swiglu(rows @ w_gate_up_EF2D[e].t(), limit) @ w_down_EDF[e].t())
+
+        def delta(x, pair, e=e):
+            return _loop_delta(x, pair, e, lora)
+
+        h = _adapted_gate_up(rows @ w_gate_up_EF2D[e].t(), rows, lora, delta)
+        act = clamped_swiglu(h, limit)
+        y = act @ w_down_EDF[e].t()
+        if lora is not None and lora.down is not None:
+            y = y + delta(act, lora.down)
+        outs.append(y)
         offset += n
     if not outs:
-        # Keep the expert weights in the graph so an empty batch still yields (zero) grads.
-        return x_MD @ w_down_EDF.new_zeros(x_MD.shape[-1], x_MD.shape[-1]) + 0.0 * (
-            w_gate_up_EF2D.sum() + w_down_EDF.sum()
-        )
+        # Keep the expert weights (and adapters) in the graph so an empty batch still yields
+        # (zero) grads.
+        held = w_gate_up_EF2D.sum() + w_down_EDF.sum()
+        for a, b in lora.pairs() if lora is not None else []:
+            held = held + a.sum() + b.sum()
+        return x_MD @ w_down_EDF.new_zeros(x_MD.shape[-1], x_MD.shape[-1]) + 0.0 * held
     return torch.cat(outs, dim=0)
 
 
@@ -99,6 +153,17 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
+def _grouped_delta(x: torch.Tensor, pair: Pair, offs_E: torch.Tensor, lora: ExpertLoRA):
+    """scale B_e A_e x for each expert's rows: two grouped GEMMs (one shared adapter: two
+    plain GEMMs over all rows)."""
+    a, b = pair
+    x = _in(lora, x)
+    if a.shape[0] == 1:
+        return (x @ a[0].t()) @ b[0].t() * lora.scale
+    z = _ContiguousGrad.apply(F.grouped_mm(x, a.transpose(-2, -1), offs=offs_E))
+    return _ContiguousGrad.apply(F.grouped_mm(z, b.transpose(-2, -1), offs=offs_E)) * lora.scale
+
+
 def grouped_experts_grouped_mm(
     x_MD: torch.Tensor,
     tokens_per_expert_E: list[int],
@@ -106,16 +171,24 @@ def grouped_experts_grouped_mm(
     w_down_EDF: torch.Tensor,
     *,
     limit: float,
+    lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
-    """The reference's contract through two `F.grouped_mm` calls (forward and backward are
+    """The reference's contract through `F.grouped_mm` calls (forward and backward are
     torch's). grouped_mm multiplies [M, in] rows by b[e] = [in, out]: the transposed views of
-    the [E, out, in] weights, column-major per expert, as its kernels want (no copy)."""
+    the [E, out, in] weights, column-major per expert, as its kernels want (no copy). Adapters
+    run as grouped GEMMs of their own ([M, in] x A_e^T -> [M, r] x B_e^T)."""
     ends = list(itertools.accumulate(tokens_per_expert_E))
     offs_E = torch.tensor(ends, dtype=torch.int32, device=x_MD.device)
-    h_MF2 = F.grouped_mm(x_MD, w_gate_up_EF2D.transpose(-2, -1), offs=offs_E)
-    a_MF = clamped_swiglu(_ContiguousGrad.apply(h_MF2), limit)
-    y_MD = F.grouped_mm(a_MF, w_down_EDF.transpose(-2, -1), offs=offs_E)
-    return _ContiguousGrad.apply(y_MD)
+    h_MF2 = _ContiguousGrad.apply(F.grouped_mm(x_MD, w_gate_up_EF2D.transpose(-2, -1), offs=offs_E))
+
+    def delta(x, pair):
+        return _grouped_delta(x, pair, offs_E, lora)
+
+    a_MF = clamped_swiglu(_adapted_gate_up(h_MF2, x_MD, lora, delta), limit)
+    y_MD = _ContiguousGrad.apply(F.grouped_mm(a_MF, w_down_EDF.transpose(-2, -1), offs=offs_E))
+    if lora is not None and lora.down is not None:
+        y_MD = y_MD + delta(a_MF, lora.down)
+    return y_MD
 
 
 # What torch's grouped_mm takes per device type: its CUDA / ROCm kernels check for bf16
@@ -171,10 +244,16 @@ def grouped_mm_refuses(
     w_down_EDF: torch.Tensor,
     *,
     limit: float,
+    lora: ExpertLoRA | None = None,
 ) -> str | None:
     """None when grouped_mm takes this call: dtype and device as torch's kernels check them,
     every row stride a multiple of 16 bytes (its alignment rule), and a trial on the device."""
     del tokens_per_expert_E, limit
+    for a, b in lora.pairs() if lora is not None else []:
+        if a.dtype != x_MD.dtype or b.dtype != x_MD.dtype:
+            return f"LoRA adapters in {a.dtype}, rows in {x_MD.dtype}"
+        if a.shape[1] * a.element_size() % 16:
+            return f"LoRA rank {a.shape[1]} x {a.element_size()} bytes is not a multiple of 16"
     dtype, device = x_MD.dtype, x_MD.device
     if w_gate_up_EF2D.dtype != dtype or w_down_EDF.dtype != dtype:
         return f"mixed dtypes {dtype}, {w_gate_up_EF2D.dtype}, {w_down_EDF.dtype}"

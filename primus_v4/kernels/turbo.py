@@ -139,16 +139,22 @@ def grouped_experts_turbo(
     w_down_EDF: torch.Tensor,
     *,
     limit: float,
+    lora: Any = None,
 ) -> torch.Tensor:
     """The reference's contract through primus_turbo's grouped GEMM (trans_b: our weights are
-    its [G, N, K])."""
+    its [G, N, K]); LoRA calls are refused (`grouped_gemm_refuses`) and go elsewhere."""
+    assert lora is None, "grouped_gemm_refuses turns LoRA calls away"
     lens_E = torch.tensor(tokens_per_expert_E, dtype=torch.int64, device=x_MD.device)
     h_MF2 = _gemm(x_MD, w_gate_up_EF2D, lens_E)
     return _gemm(clamped_swiglu(h_MF2, limit), w_down_EDF, lens_E)
 
 
-def grouped_gemm_refuses(x_MD, tokens_per_expert_E, w_gate_up_EF2D, w_down_EDF, **_) -> str | None:
+def grouped_gemm_refuses(
+    x_MD, tokens_per_expert_E, w_gate_up_EF2D, w_down_EDF, *, lora=None, **_
+) -> str | None:
     del tokens_per_expert_E
+    if lora is not None:
+        return "LoRA adapters are not wired into primus_turbo's grouped GEMM"
     if x_MD.dtype not in (torch.bfloat16, torch.float16):
         return f"{x_MD.dtype}: primus_turbo's grouped GEMM takes bf16 / fp16"
     if not (w_gate_up_EF2D.dtype == w_down_EDF.dtype == x_MD.dtype):

@@ -38,3 +38,6 @@ class ModelSpec:
     step_hooks: Callable[..., list[StepHook]]
     """(rank modules, the run's `model` section, *, group) -> the hooks the trainer steps after
     each optimizer update."""
+    add_adapters: Callable[..., int]
+    """(rank module, the run's `model.lora` section, *, seed) -> adapter parameters added: the
+    module's own parameters frozen, LoRA adapters added and initialized."""

@@ -43,7 +43,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
 from primus_v4.durable import fsync_dir, write_durable
 from primus_v4.errors import (
@@ -137,7 +141,7 @@ def _train_state(
     with warnings.catch_warnings():
         # DCP warns about features (e.g. sharded tensors) this code does not use.
         warnings.simplefilter("ignore")
-        model_sd = get_model_state_dict(model)
+        model_sd = get_model_state_dict(model, options=_model_options(model))
     _experts_as_dtensors(model, model_sd)
     optim_sd: dict[str, Any] = {}
     if optimizer is not None:
@@ -152,6 +156,13 @@ def _train_state(
         "scheduler": scheduler.state_dict() if scheduler is not None else {},
         f"rank{_rank()}": per_rank,
     }
+
+
+def _model_options(model: nn.Module) -> StateDictOptions:
+    """A LoRA model's checkpoint holds its adapters and buffers; the frozen base comes from
+    model.pretrained (or the seed) again on resume."""
+    adapters_only = bool(getattr(model, "adapters_only", False))
+    return StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
 
 
 def _sharded(optimizer: Any) -> ShardedAdamW:
@@ -392,7 +403,7 @@ def load_latest(
         ) from err
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        set_model_state_dict(model, _local_tensors(state["model"]))
+        set_model_state_dict(model, _local_tensors(state["model"]), options=_model_options(model))
     if optimizer is not None:
         load_optimizer_state(_sharded(optimizer), state["optim"])
     if scheduler is not None:

@@ -168,6 +168,17 @@ def _stored_state(checkpoint: Path, groups: list[list[str]], stored: dict) -> It
         yield state
 
 
+def check_exportable(source: ExportSource) -> None:
+    """Refuse, by name, a checkpoint this version cannot export."""
+    lora = source.run.model.lora
+    if lora.rank:
+        raise ExportError(
+            f"{source.checkpoint}: a LoRA run (model.lora.rank {lora.rank}) checkpoints its "
+            "adapters only, without the frozen base; exporting them (merged into the release "
+            "layout, or as a PEFT adapter) is not available in this version"
+        )
+
+
 def export_checkpoint(
     source: ExportSource,
     out: str | os.PathLike,
@@ -177,6 +188,7 @@ def export_checkpoint(
     progress: Callable[[int], None] | None = None,
 ) -> WriteSummary:
     """Write `source` as a release directory at `out` (atomic; see the module docstring)."""
+    check_exportable(source)
     cfg = model_config_of(source)
     stored = _stored_model_tensors(source.checkpoint)
     _check_names(cfg, stored, source.checkpoint)

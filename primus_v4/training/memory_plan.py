@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from primus_v4.kernels.saved_sets import planned_attention_backend
 from primus_v4.models.deepseek_v4.recompute import selected
@@ -37,7 +37,7 @@ from primus_v4.training.activation_plan import (
     recompute_flops,
     step_flops,
 )
-from primus_v4.training.trainer import build_model
+from primus_v4.training.trainer import build_model, model_spec
 from primus_v4.training.zero import pick_offloaded
 
 GIB = 2**30
@@ -107,13 +107,30 @@ def _stage_of(name: str, specs: list[Any], has_mtp: bool) -> set[int]:
     return {last}
 
 
-def _static_rows(plan: MemoryPlan, run: Any, params: list[tuple[str, int, bool, bool]]) -> None:
-    """Weights, gradient buckets, masters and moments of one stage's parameters
-    (name, numel, is an expert shard, is the pipeline-tied embedding)."""
+class _Param(NamedTuple):
+    name: str
+    numel: int  # on this rank (an expert shard: its experts)
+    expert: bool  # sharded over EP: its state is sharded over expert-DP
+    tied: bool  # the pipeline-tied embedding (its bucket stays float32)
+    trainable: bool  # frozen ones (the indexer; a LoRA run's base) are weights only
+
+
+def _is_expert_shard(name: str, lora: Any) -> bool:
+    """Expert weights, and per-expert LoRA adapters, are cut [E, ...] -> [E / ep, ...]."""
+    last = name.rsplit(".", 1)[-1]
+    if last in ("w_gate_up", "w_down"):
+        return True
+    return ".expert_lora." in name and lora.expert_adapters == "per_expert"
+
+
+def _static_rows(plan: MemoryPlan, run: Any, everything: list[_Param]) -> None:
+    """Weights of all of one stage's parameters; gradient buckets, masters and moments of its
+    trainable ones."""
     sizes, cfg, d = run.sizes, run.cfg, _dtype_bytes(run)
     dp_cp = sizes.world // (sizes.pp * sizes.cp) * sizes.cp
     expert_dp = sizes.world // (sizes.ep * sizes.pp)
-    weights = sum(p[1] for p in params) * d
+    weights = sum(p.numel for p in everything) * d
+    params = [p[:4] for p in everything if p.trainable]
     lean = cfg.optim.grad_accum_dtype == "bfloat16"
     chunks, padded, shards = [], 0, 0
     lean_padded = lean_shards = lean_alone = 0  # bf16 buckets; their fp32 shards / copies
@@ -278,15 +295,15 @@ def plan_memory(
                         mtp_num_layers=cfg.mtp_num_layers or 0,
                         layout=run.cfg.parallel.pp_layout)  # fmt: skip
     has_mtp = bool(cfg.mtp_num_layers)
-    per_stage: list[list[tuple[str, int, bool, bool]]] = [[] for _ in specs]
+    if run.cfg.model.lora.rank:  # the base frozen, adapters added (shapes only, on meta)
+        model_spec().add_adapters(model, run.cfg.model.lora, seed=0)
+    per_stage: list[list[_Param]] = [[] for _ in specs]
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        expert = sizes.ep > 1 and name.rsplit(".", 1)[-1] in ("w_gate_up", "w_down")
+        expert = sizes.ep > 1 and _is_expert_shard(name, run.cfg.model.lora)
         numel = p.numel() // (sizes.ep if expert else 1)
         stages = _stage_of(name, specs, has_mtp)
         for s in stages:
-            per_stage[s].append((name, numel, expert, len(stages) > 1))
+            per_stage[s].append(_Param(name, numel, expert, len(stages) > 1, p.requires_grad))
     dp = sizes.world // (sizes.pp * sizes.cp)
     micro = run.cfg.train.global_batch_size // dp
     plans = []

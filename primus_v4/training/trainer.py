@@ -157,6 +157,7 @@ class Trainer:
             check_steps(self.resume_from, self.total_steps)
         model = model if model is not None else build_model(run)
         self.model = self._parallelize(model)
+        self._add_adapters()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(
             run, self.model, self.runtime.ctx, self.total_steps
@@ -216,12 +217,27 @@ class Trainer:
         self.pipeline: Any = done.pipeline
         return done.model
 
+    def _add_adapters(self) -> None:
+        """model.lora.rank > 0: freeze the base, add LoRA adapters (the only trainable state)."""
+        lora = self.cfg.model.lora
+        if not lora.rank:
+            return
+        frozen = sum(p.numel() for p in self.model.parameters())
+        added = model_spec().add_adapters(self.model, lora, seed=self.cfg.train.seed)
+        log.info(
+            "LoRA rank %d alpha %g on %s: %d adapter parameters train, %d base parameters "
+            "frozen (%.3f%%)", lora.rank, lora.alpha, ",".join(lora.targets), added, frozen,
+            100 * added / max(frozen, 1),
+        )  # fmt: skip
+
     def _seed_masters(self) -> None:
         """A random-init run in a low-precision dtype: the fp32 masters start from the float32
         draws themselves, not from their bf16 rounding, so the masters begin where a float32 run
         begins (a resumed checkpoint overwrites them later like every other state)."""
         initial = getattr(self.model, "initial_values", None)
         if not self._drawn or initial is None or self.cfg.model.dtype == "float32":
+            return
+        if self.cfg.model.lora.rank:  # the drawn base is frozen: it has no masters
             return
         n = self.optimizer.seed_masters(initial(self.cfg.train.seed))
         log.info("fp32 masters: %d values from the float32 init (not its bf16 rounding)", n)
@@ -232,7 +248,7 @@ class Trainer:
         directory = self.cfg.model.pretrained
         if directory is None:
             return None
-        if self.resume_from is not None:
+        if self.resume_from is not None and not self.cfg.model.lora.rank:
             log.info(
                 "resuming %s: it takes precedence over model.pretrained=%s",
                 self.resume_from,

@@ -77,6 +77,7 @@ def summarize(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "recompute": lookup(config, "model.recompute"),
         "recompute_modules": lookup(config, "model.recompute_modules"),
         "grad_accum_dtype": lookup(config, "optim.grad_accum_dtype"),
+        "lora": lookup(config, "model.lora"),
         "fused_linear_ce": fused,
         # Unfused, the trainer uses one chunk spanning the row: the preset's size does not apply.
         "ce_chunk_size": model_field(config, "ce_chunk_size") if fused else None,

@@ -149,3 +149,24 @@ def test_benchmarks_default_to_the_demo_corpus() -> None:
         spec.loader.exec_module(module)
         data = Path(getattr(module, attr))
         assert data.is_file() and data.is_relative_to(REPO), f"{name}.{attr} = {data}"
+
+
+def test_lora_section_commands_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """README.md, LoRA: the CPU command resolves with adapters; each recipe line resolves (as
+    DRY_RUN=1, on a stand-in release) to one node of 8 GPUs training rank-16 adapters."""
+    commands = _commands("README.md", "LoRA")
+    [train] = [c for c in commands if c[:2] == ["primus-v4", "train"]]
+    assert main([*train[1:], "--dry-run"]) == 0
+    cfg = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cfg["model"]["lora"]["rank"] == 16 and cfg["model"]["lora"]["alpha"] == 32
+    launches = [c for c in commands if "bash" in c]
+    assert len(launches) == 2
+    release = _flash_release(tmp_path)
+    for launch in launches:
+        at = launch.index("bash")
+        env = dict(word.split("=", 1) for word in launch[:at])
+        env["PRIMUS_PRETRAINED"] = str(release)
+        r = run_recipe(Path(launch[at + 1]).name, tmp_path, **env).resolved
+        assert (r["nnodes"], r["world_size"], r["ep"]) == (1, 8, 8)
+        assert r["lora"]["rank"] == 16 and r["pretrained"] == str(release)
+        assert r["seq_length"] == int(env.get("PRIMUS_SEQ_LENGTH", 4096))

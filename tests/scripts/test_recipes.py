@@ -93,6 +93,18 @@ def test_every_recipe_plans_at_most_90_percent_of_the_device(tmp_path, script, d
     assert max(_stage_peaks(run.stderr)) <= 0.9 * gib, run.stderr
 
 
+@pytest.mark.parametrize("seq,cp,gbs", [(4096, 1, 8), (32768, 8, 4)])
+def test_one_node_flash_lora_fits_an_mi300x(tmp_path, seq, cp, gbs):
+    run = run_recipe("run_lora_flash_1node.sh", tmp_path, PRIMUS_MEMORY_PLAN="1",
+                     PRIMUS_SEQ_LENGTH=str(seq))  # fmt: skip
+    r = run.resolved
+    assert (r["nnodes"], r["pp"], r["cp"], r["ep"], r["global_batch_size"]) == (1, 1, cp, 8, gbs)
+    assert r["lora"]["rank"] == 16 and r["lora"]["expert_adapters"] == "per_expert"
+    assert "memory plan per rank: world 8 = pp 1 x cp" in run.stderr
+    assert max(_stage_peaks(run.stderr)) <= 0.9 * 192, run.stderr
+    _assert_flash_model(r)
+
+
 def test_a_recipe_over_the_device_stops_with_one_line(tmp_path):
     run = run_recipe("run_full_128k_thd_multinode.sh", tmp_path, **MULTINODE,
                      PRIMUS_MEMORY_PLAN="1", PRIMUS_RECOMPUTE="none")  # fmt: skip

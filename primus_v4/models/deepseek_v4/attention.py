@@ -68,6 +68,7 @@ class Attention(nn.Module):
         self.wo_a = nn.Parameter(torch.empty(g, cfg.o_lora_rank, h * d // g))
         self.wo_b = nn.Linear(g * cfg.o_lora_rank, dh, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(h)) if cfg.attn_sink else None
+        self.wo_a_lora: nn.Module | None = None  # LoRA on wo_a's groups (lora.py), when added
         self.rope = RotaryEmbedding(cfg, compressed=compress_ratio > 0)
         self.compressor = self.indexer = None
         if compress_ratio:
@@ -139,6 +140,8 @@ class Attention(nn.Module):
         """Grouped low-rank output: each group's H*D/G channels -> o_lora, then all -> hidden;
         returns ([G, T, O] after the first map, [T, hidden])."""
         y_GTR = torch.bmm(o_GTI, self.wo_a.transpose(1, 2))
+        if self.wo_a_lora is not None:
+            y_GTR = y_GTR + self.wo_a_lora(o_GTI)
         return y_GTR, self.wo_b(y_GTR.transpose(0, 1).flatten(1))
 
     def _output(self, o_THD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:

@@ -313,6 +313,7 @@ class MoE(nn.Module):
         self.dispatcher: Dispatcher = dispatcher or LocalDispatcher()
         self.grouped_experts = resolve(GROUPED_EXPERTS)
         self.recompute_shared = "shared_experts" in selected(cfg)
+        self.expert_lora: nn.Module | None = None  # LoRA of the routed experts (lora.py)
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.w_gate_up, std=std)
@@ -325,7 +326,9 @@ class MoE(nn.Module):
         expert_RK, weight_RK, scores_RE = self.router(x_TD, routing)
         x_RD = x_TD.index_select(0, routing.routed_rows_R)
         x_MD, counts, handle = self.dispatcher.dispatch(x_RD, expert_RK, self.num_experts)
-        y_MD = self.grouped_experts(x_MD, counts, self.w_gate_up, self.w_down, limit=self.limit)
+        lora = {} if self.expert_lora is None else {"lora": self.expert_lora.kernel_args()}
+        y_MD = self.grouped_experts(x_MD, counts, self.w_gate_up, self.w_down, limit=self.limit,
+                                    **lora)  # fmt: skip
         y_RD = self.dispatcher.combine(y_MD, weight_RK, handle)
         # Routed and shared outputs summed in float32 and rounded once (as the release's MoE).
         # index_put, not index_add: index_add's backward keeps the float32 [R, D] source alive.

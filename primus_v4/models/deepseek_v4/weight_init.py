@@ -58,6 +58,11 @@ def draw_normal(shape: torch.Size, std: float, seed: int, name: str) -> torch.Te
     return out.normal_(0.0, std, generator=gen)
 
 
+def _base(module: nn.Module, attr: str) -> bool:
+    """Whether a parameter is the model's own (LoRA adapters, lora.py, draw their own init)."""
+    return attr not in getattr(module, "adapter_params", ())
+
+
 def _constant(module: nn.Module, attr: str) -> float | None:
     for kind, name, value in _CONSTANTS:
         if isinstance(module, kind) and attr == name:
@@ -74,7 +79,7 @@ def drawn_values(
     parameter holds their rounding, the optimizer's fp32 masters can start from them."""
     for prefix, module in model.named_modules():
         for attr, p in module.named_parameters(recurse=False):
-            if _constant(module, attr) is not None:
+            if _constant(module, attr) is not None or not _base(module, attr):
                 continue
             name = f"{prefix}.{attr}" if prefix else attr
             if isinstance(module, MoE) and attr in EXPERT_WEIGHTS:

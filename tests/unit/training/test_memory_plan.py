@@ -25,9 +25,12 @@ def _rows(*settings: str, world: int = 1) -> dict[str, tuple[float, float]]:
 
 def test_static_terms_follow_the_sharded_optimizer() -> None:
     run = resolve_run(load_config(), world=1)
-    total = sum(p.numel() for p in build_model(run).parameters() if p.requires_grad)  # meta
+    model = build_model(run)  # meta
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # the indexer
+    assert frozen > 0
     one = _rows()
-    assert one["weights"] == (4 * total, 0)  # float32
+    assert one["weights"] == (4 * (total + frozen), 0)  # float32, frozen weights included
     assert one["fp32 Adam moments"] == (8 * total, 0)
     assert "fp32 master chunks" not in one  # float32 parameters are their own masters
     two = _rows("train.global_batch_size=2", world=2)
@@ -35,7 +38,7 @@ def test_static_terms_follow_the_sharded_optimizer() -> None:
     assert two["fp32 Adam moments"][0] == pytest.approx(4 * total, rel=1e-4)
     bf16 = _rows("model.dtype=bfloat16", "optim.offload_fraction=0.5")
     dev, host = bf16["fp32 master chunks"]
-    assert bf16["weights"][0] == 2 * total and dev + host == 4 * total
+    assert bf16["weights"][0] == 2 * (total + frozen) and dev + host == 4 * total
     assert host == pytest.approx(2 * total, rel=0.2)  # whole tensors, largest first, up to half
 
 
@@ -47,6 +50,18 @@ def test_bf16_gradient_buckets_halve_the_static_term() -> None:
     assert "fp32 gradient buckets" not in lean
     # Without replicas the float32 gradient AdamW steps on exists in the step phase only.
     assert lean["fp32 copies of unreplicated bf16 buckets"] == (4 * total, 0)
+
+
+def test_a_lora_plan_keeps_the_base_weights_and_drops_its_optimizer_state() -> None:
+    run = resolve_run(load_config(overrides=["model.lora.rank=8"]), world=1)
+    model = build_model(run)
+    total = sum(p.numel() for p in model.parameters())
+    lora = _rows("model.lora.rank=8")
+    full = _rows()
+    assert lora["weights"][0] > full["weights"][0] == 4 * total  # base + adapters
+    adapters = (lora["weights"][0] - full["weights"][0]) / 4
+    assert lora["fp32 Adam moments"] == (8 * adapters, 0)  # two moments of the adapters only
+    assert lora["fp32 gradient buckets"][0] == 4 * adapters
 
 
 def test_cli_prints_the_plan(capsys) -> None:

@@ -1,0 +1,279 @@
+"""LoRA adapters on DeepSeek-V4's release modules; the base stays frozen.
+
+Legend: T = rows, r = adapter rank, G = output groups, E = routed experts of the rank (E' = E per
+expert, 1 shared), F = expert ffn, s = alpha / r.
+
+A target gains s * B A x beside its frozen weight W: y = W x + s B A dropout(x). A starts
+uniform in +-1/sqrt(in) (PEFT's kaiming-uniform with a = sqrt(5)), B at zero, so a fresh model
+computes exactly the base model's numbers (adding zeros changes no bit). Targets use the
+release's names inside a layer (`attn.wq_a`, `ffn.shared_experts.w1`, `ffn.experts.w2`, ...):
+- nn.Linear weights (wq_a, wq_b, wkv, wo_b, the attention compressor's wkv / wgate, the shared
+  expert's w2) become `LoRALinear`: the same `weight` Parameter, plus `lora_A` [k, r, in] and
+  `lora_B` [k, out_k, r] for k adapted output spans (the shared expert's fused gate_up holds
+  w1 rows [0, F) and w3 rows [F, 2F): one span each);
+- wo_a [G, O, H*D/G] gets one adapter per group (`GroupedLoRA`, batched like wo_a itself);
+- the routed experts' w1 / w3 / w2 get `ExpertAdapters`, per expert ([E, ...], drawn per global
+  expert index so an expert shard is rows of the whole) or one shared by the rank's experts,
+  run by the grouped-experts kernel (kernels/grouped_experts.py: grouped GEMMs).
+Every adapter draws from a generator of (seed, its parameter name), experts from (seed, name,
+global expert index): a pipeline stage or expert shard gets the same adapters as one process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from primus_v4.kernels.grouped_experts import ExpertLoRA
+from primus_v4.models.deepseek_v4.attention import Attention
+from primus_v4.models.deepseek_v4.block import Block
+from primus_v4.models.deepseek_v4.weight_init import param_seed
+
+EXPERT_TARGETS = {"experts.w1": "gate", "experts.w3": "up", "experts.w2": "down"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    """What `apply_lora` adds: rank, alpha (scale alpha / rank), input dropout, the targets by
+    release name, and per-expert or shared routed-expert adapters."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+    expert_adapters: str = "per_expert"
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def _uniform(shape: tuple[int, ...], fan_in: int, seed: int, name: str) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, f"lora/{name}"))
+    bound = 1.0 / math.sqrt(fan_in)
+    return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen)
+
+
+class _Adapter(nn.Module):
+    """Shared by the adapter kinds: scale, dropout, and the zero-B / uniform-A init."""
+
+    adapter_params: frozenset[str] = frozenset({"lora_A", "lora_B"})
+
+    def __init__(self, spec: LoraSpec) -> None:
+        super().__init__()
+        self.rank, self.scale = spec.rank, spec.scale
+        self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+
+
+class LoRALinear(nn.Linear):
+    """nn.Linear (no bias) whose frozen `weight` gains s B_k A_k x on output spans k."""
+
+    adapter_params = frozenset({"lora_A", "lora_B"})
+
+    def __init__(self, base: nn.Linear, spec: LoraSpec, spans: list[tuple[int, int]]) -> None:
+        nn.Module.__init__(self)
+        assert base.bias is None, "release linears have no bias"
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", None)
+        self.spans = spans  # (first output row, rows), all of one size
+        size = spans[0][1]
+        assert all(n == size for _, n in spans)
+        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_A = nn.Parameter(torch.empty(len(spans), spec.rank, self.in_features, **kw))
+        self.lora_B = nn.Parameter(torch.zeros(len(spans), size, spec.rank, **kw))
+        self.rank, self.scale = spec.rank, spec.scale
+        self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+
+    def init_adapters(self, seed: int, name: str) -> None:
+        with torch.no_grad():
+            a = _uniform(tuple(self.lora_A.shape), self.in_features, seed, f"{name}.lora_A")
+            self.lora_A.copy_(a)
+            self.lora_B.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        x2 = self.dropout(x).reshape(-1, self.in_features)
+        z = torch.einsum("ti,kri->ktr", x2, self.lora_A)
+        d = torch.bmm(z, self.lora_B.transpose(1, 2)) * self.scale  # [k, T, size]
+        if len(self.spans) == 1 and self.spans[0] == (0, self.out_features):
+            return y + d[0].view_as(y)
+        pieces, at = [], 0
+        for (lo, n), dk in sorted(zip(self.spans, d, strict=True), key=lambda p: p[0][0]):
+            if lo > at:
+                pieces.append(dk.new_zeros(dk.shape[0], lo - at))
+            pieces.append(dk)
+            at = lo + n
+        if at < self.out_features:
+            pieces.append(d.new_zeros(d.shape[1], self.out_features - at))
+        return y + torch.cat(pieces, dim=1).view_as(y)
+
+
+class GroupedLoRA(_Adapter):
+    """One adapter per output group of wo_a [G, O, I]: s B_g A_g o_g, batched over groups."""
+
+    def __init__(self, wo_a: torch.Tensor, spec: LoraSpec) -> None:
+        super().__init__(spec)
+        g, o, i = wo_a.shape
+        kw = {"device": wo_a.device, "dtype": wo_a.dtype}
+        self.lora_A = nn.Parameter(torch.empty(g, spec.rank, i, **kw))
+        self.lora_B = nn.Parameter(torch.zeros(g, o, spec.rank, **kw))
+
+    def init_adapters(self, seed: int, name: str) -> None:
+        with torch.no_grad():
+            fan_in = self.lora_A.shape[-1]
+            self.lora_A.copy_(_uniform(tuple(self.lora_A.shape), fan_in, seed, f"{name}.lora_A"))
+            self.lora_B.zero_()
+
+    def forward(self, o_GTI: torch.Tensor) -> torch.Tensor:
+        z = torch.bmm(self.dropout(o_GTI), self.lora_A.transpose(1, 2))
+        return torch.bmm(z, self.lora_B.transpose(1, 2)) * self.scale
+
+
+class ExpertAdapters(_Adapter):
+    """The routed experts' adapters: `{gate,up,down}_A` / `_B`, [E', r, in] / [E', out, r]."""
+
+    def __init__(self, moe: nn.Module, spec: LoraSpec, kinds: list[str]) -> None:
+        super().__init__(spec)
+        e, two_f, d = moe.w_gate_up.shape
+        f, shared = two_f // 2, spec.expert_adapters == "shared"
+        self.shared, self.kinds = shared, kinds
+        self.adapter_params = frozenset(f"{k}_{m}" for k in kinds for m in "AB")
+        self.expert_offset = getattr(moe, "expert_offset", 0)
+        n = 1 if shared else e
+        kw = {"device": moe.w_gate_up.device, "dtype": moe.w_gate_up.dtype}
+        dims = {"gate": (d, f), "up": (d, f), "down": (f, d)}
+        for kind in kinds:
+            fan_in, out = dims[kind]
+            self.register_parameter(f"{kind}_A", nn.Parameter(torch.empty(n, spec.rank, fan_in,
+                                                                          **kw)))  # fmt: skip
+            self.register_parameter(f"{kind}_B", nn.Parameter(torch.zeros(n, out, spec.rank,
+                                                                          **kw)))  # fmt: skip
+            if not shared:  # sharded like the expert weights (gradients over expert-DP)
+                for p in (getattr(self, f"{kind}_A"), getattr(self, f"{kind}_B")):
+                    for tag in ("expert_parallel", "expert_group"):
+                        if hasattr(moe.w_gate_up, tag):
+                            setattr(p, tag, getattr(moe.w_gate_up, tag))
+
+    def init_adapters(self, seed: int, name: str) -> None:
+        with torch.no_grad():
+            for kind in self.kinds:
+                a, b = getattr(self, f"{kind}_A"), getattr(self, f"{kind}_B")
+                for i in range(a.shape[0]):
+                    which = "shared" if self.shared else str(self.expert_offset + i)
+                    draw = _uniform(tuple(a.shape[1:]), a.shape[-1], seed,
+                                    f"{name}.{kind}_A.{which}")  # fmt: skip
+                    a[i].copy_(draw)
+                b.zero_()
+
+    def kernel_args(self) -> ExpertLoRA:
+        pairs = {k: (getattr(self, f"{k}_A"), getattr(self, f"{k}_B")) for k in self.kinds}
+        drop = None if isinstance(self.dropout, nn.Identity) else self.dropout
+        return ExpertLoRA(**pairs, scale=self.scale, drop=drop)
+
+
+def _linear_spans(target: str, linear: nn.Linear) -> tuple[nn.Linear, list[tuple[int, int]]]:
+    half = linear.out_features // 2
+    if target == "shared_experts.w1":
+        return linear, [(0, half)]
+    if target == "shared_experts.w3":
+        return linear, [(half, half)]
+    return linear, [(0, linear.out_features)]
+
+
+def _linear_targets(block: Block) -> dict[str, tuple[nn.Module, str]]:
+    """Release name -> (owner module, attribute) of the block's nn.Linear targets."""
+    attn, moe = block.attn, block.moe
+    out: dict[str, tuple[nn.Module, str]] = {n: (attn, n) for n in ("wq_a", "wq_b", "wkv", "wo_b")}
+    if attn.compressor is not None:
+        out["compressor.wkv"] = (attn.compressor, "wkv")
+        out["compressor.wgate"] = (attn.compressor, "wgate")
+    if moe.shared is not None:
+        out["shared_experts.w1"] = (moe.shared, "gate_up")
+        out["shared_experts.w3"] = (moe.shared, "gate_up")
+        out["shared_experts.w2"] = (moe.shared, "down")
+    return out
+
+
+def _adapt_linears(block: Block, spec: LoraSpec) -> list[nn.Module]:
+    table, grouped = _linear_targets(block), {}
+    for target in spec.targets:
+        if target in table:  # absent ones (a compressor of a dense layer) are skipped
+            owner, attr = table[target]
+            _, spans = _linear_spans(target, getattr(owner, attr))
+            grouped.setdefault((id(owner), attr), (owner, attr, []))[2].extend(spans)
+    made = []
+    for owner, attr, spans in grouped.values():
+        adapted = LoRALinear(getattr(owner, attr), spec, sorted(spans))
+        setattr(owner, attr, adapted)
+        made.append(adapted)
+    return made
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec, *, seed: int) -> int:
+    """Freeze every parameter of `model` (a whole model or a rank's stage and expert shard,
+    materialized) and add `spec`'s adapters to each layer and MTP block it holds. Returns the
+    adapter parameters added on this rank."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for block in [m for m in model.modules() if isinstance(m, Block)]:
+        _adapt_linears(block, spec)
+        attn: Attention = block.attn
+        if "wo_a" in spec.targets:
+            attn.wo_a_lora = GroupedLoRA(attn.wo_a, spec)
+        kinds = [EXPERT_TARGETS[t] for t in spec.targets if t in EXPERT_TARGETS]
+        if kinds:
+            block.moe.expert_lora = ExpertAdapters(block.moe, spec, sorted(kinds))
+    model.adapters_only = True  # checkpoints hold the adapters (and buffers), not the base
+    added = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (LoRALinear, GroupedLoRA, ExpertAdapters)):
+            module.init_adapters(seed, name)
+            added += sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return added
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """The names of `model`'s trainable (adapter) parameters."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{base parameter name: W + s B A} for every adapted weight of `model`, computed in float32
+    and returned in float32 (the caller casts or quantizes): what a merged export writes."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LoRALinear):
+            w = module.weight.float().clone()
+            for (lo, n), a, b in zip(module.spans, module.lora_A, module.lora_B, strict=True):
+                w[lo : lo + n] += module.scale * (b.float() @ a.float())
+            out[f"{prefix}weight"] = w
+        elif isinstance(module, Attention) and module.wo_a_lora is not None:
+            ad = module.wo_a_lora
+            delta = torch.bmm(ad.lora_B.float(), ad.lora_A.float()) * ad.scale
+            out[f"{prefix}wo_a"] = module.wo_a.float() + delta
+        elif isinstance(module, nn.Module) and getattr(module, "expert_lora", None) is not None:
+            ad = module.expert_lora
+            e, two_f, _ = module.w_gate_up.shape
+            f = two_f // 2
+            gu, down = module.w_gate_up.float().clone(), module.w_down.float().clone()
+            for kind in ad.kinds:
+                a, b = getattr(ad, f"{kind}_A").float(), getattr(ad, f"{kind}_B").float()
+                delta = (torch.bmm(b, a) * ad.scale).expand(e, -1, -1)  # shared: E' = 1
+                if kind == "gate":
+                    gu[:, :f] += delta
+                elif kind == "up":
+                    gu[:, f:] += delta
+                else:
+                    down += delta
+            if {"gate", "up"} & set(ad.kinds):
+                out[f"{prefix}w_gate_up"] = gu
+            if "down" in ad.kinds:
+                out[f"{prefix}w_down"] = down
+    return out

@@ -1,0 +1,95 @@
+"""LoRA through the trainer (the real tiny model): the base is frozen (its bytes hash the same
+after training), only adapters have optimizer state and checkpoint bytes, the loss falls, and a
+run resumed from its step-2 checkpoint ends exactly where the uninterrupted run ends."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from train_fakes import RAGGED_PACKS, FakeCorpus, tiny_run
+
+from primus_v4.cli import main
+from primus_v4.errors import ExitCode
+from primus_v4.training.checkpoint import LATEST, step_dir
+from primus_v4.training.trainer import Trainer
+
+LORA = ("model.lora.rank=8", "model.lora.alpha=16", "train.global_batch_size=2",
+        "train.warmup_steps=1", "train.lr=0.01")  # fmt: skip
+ADAPTER_SUFFIXES = ("lora_A", "lora_B", "gate_A", "gate_B", "up_A", "up_B", "down_A", "down_B")
+
+
+def _digest(model: torch.nn.Module, names: set[str]) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if name in names:
+            h.update(name.encode() + p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _trainer(tmp: Path, name: str, *settings: str) -> Trainer:
+    run = tiny_run(tmp / name, *LORA, f"checkpoint.dir={tmp / name / 'ckpt'}", *settings)
+    return Trainer(run, corpus=FakeCorpus(RAGGED_PACKS))
+
+
+def _checkpoint_keys(path: Path) -> dict[str, torch.Size]:
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k: getattr(m, "size", None) for k, m in meta.items()}
+
+
+def test_lora_trains_adapters_only_and_keeps_the_base(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, "run", "train.steps=4", "checkpoint.interval=4")
+    params = dict(trainer.model.named_parameters())
+    base = {n for n, p in params.items() if not p.requires_grad}
+    adapters = {n for n, p in params.items() if p.requires_grad}
+    assert adapters and all(n.rsplit(".", 1)[-1] in ADAPTER_SUFFIXES for n in adapters)
+    before = _digest(trainer.model, base)
+    optimizer_names = {s.name for s in trainer.optimizer.slots}
+    assert optimizer_names == adapters  # masters, moments and buckets: adapters only
+    rows = trainer.train().rows
+    assert _digest(trainer.model, base) == before  # the base's bytes, unchanged
+    assert rows[-1].loss < rows[0].loss
+    keys = _checkpoint_keys(step_dir(tmp_path / "run" / "ckpt", 4))
+    model_keys = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+    buffers = {n for n, _ in trainer.model.named_buffers()}
+    assert adapters <= model_keys and model_keys <= adapters | buffers  # no base weight
+    assert not any(k.startswith(f"optim.state.{n}.") for k in keys for n in base)
+
+
+def test_an_adapter_checkpoint_is_not_exported_as_a_release(tmp_path: Path, capsys) -> None:
+    _trainer(tmp_path, "run", "train.steps=1", "checkpoint.interval=1").train()
+    out = tmp_path / "export"
+    code = main(["export", "--run", str(tmp_path / "run" / "ckpt"), "--out", str(out)])
+    assert code == ExitCode.CHECKPOINT and not out.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a LoRA run (model.lora.rank 8) checkpoints its adapters" in err[0]
+
+
+def _params(root: Path, step: int) -> dict[str, torch.Tensor]:
+    path = step_dir(root, step)
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    model = {k[len("model.") :]: torch.empty(m.size) for k, m in meta.items()
+             if k.startswith("model.") and hasattr(m, "size") and m.size}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming ... a single process", as intended
+        dcp.load({"model": model}, checkpoint_id=path, no_dist=True)
+    return model
+
+
+def test_lora_resume_is_exact(tmp_path: Path) -> None:
+    steps = ("train.steps=4", "checkpoint.interval=2")
+    full = _trainer(tmp_path, "full", *steps).train().rows
+    stopped = tmp_path / "resumed" / "ckpt"
+    stopped.mkdir(parents=True)
+    shutil.copytree(step_dir(tmp_path / "full" / "ckpt", 2), step_dir(stopped, 2))
+    (stopped / LATEST).write_text(step_dir(stopped, 2).name + "\n")
+    resumed = _trainer(tmp_path, "resumed", *steps).train().rows
+    assert [r.step for r in resumed] == [3, 4]
+    for key in ("loss", "mtp_loss", "aux_loss", "grad_norm", "lr"):
+        assert [getattr(r, key) for r in resumed] == [getattr(r, key) for r in full[2:]], key
+    want, got = _params(tmp_path / "full" / "ckpt", 4), _params(stopped, 4)
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
