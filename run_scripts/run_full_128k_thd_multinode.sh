@@ -26,9 +26,9 @@ export FUSED_CE_CHUNK="${FUSED_CE_CHUNK:-4096}"
 # Memory (`primus-v4 inspect memory`, printed by DRY_RUN=1), GiB per GPU, stages 0 / 1 / 2, sparse
 # attention counted as primus_turbo's saved set (the largest auto may pick on a GPU):
 #   MI300X (192 GiB): recompute selective layernorm,mla_up_proj,core_attn,moe, bf16 gradient
-#     buckets: 156.6 / 129.1 / 133.7, 82% of 192; the recompute repeats 22.6-22.9% of the
-#     layers' step FLOPs (and the MoE's all-to-all); no recompute plans 509.7 GiB on stage 0.
-#   MI355X (288 GiB): the same recompute, fp32 buckets: 181.1 / 153.6 / 162.8, 63% of 288
+#     buckets: 156.7 / 129.2 / 133.9, 82% of 192; the recompute repeats 22.6-22.9% of the
+#     layers' step FLOPs (and the MoE's all-to-all); no recompute plans 509.8 GiB on stage 0.
+#   MI355X (288 GiB): the same recompute, fp32 buckets: 181.2 / 153.7 / 163.0, 63% of 288
 #     (without core_attn, turbo's saved q, output and indices need 313 GiB on stage 0).
 export PRIMUS_DEVICE_MEMORY="${PRIMUS_DEVICE_MEMORY:-MI300X}"
 grad_buffers=bfloat16

@@ -60,9 +60,9 @@ FUSED_CE_CHUNK="${FUSED_CE_CHUNK:-}"    # rows per CE chunk; empty = the preset'
 # does not fit, PRIMUS_IGNORE_MEMORY_PLAN=1 overrides), GiB per GPU, pipeline stages 0 / 1 / 2,
 # sparse attention counted as primus_turbo's saved set (the largest auto may pick on a GPU):
 #   MI300X (192 GiB): recompute selective layernorm,mla_up_proj,core_attn, fp32 gradient
-#     buckets: 163.2 / 143.7 / 160.3, 85% of 192 on stage 0; the recompute repeats 6.0-6.2% of
-#     the layers' step FLOPs (no recompute: 221.4 GiB, 115%).
-#   MI355X (288 GiB): no recompute, fp32 buckets: 221.4 / 182.1 / 181.6, 77% of 288.
+#     buckets: 163.3 / 143.9 / 160.4, 85% of 192 on stage 0; the recompute repeats 6.0-6.2% of
+#     the layers' step FLOPs (no recompute: 221.5 GiB, 115%).
+#   MI355X (288 GiB): no recompute, fp32 buckets: 221.5 / 182.2 / 181.7, 77% of 288.
 PRIMUS_DEVICE_MEMORY="${PRIMUS_DEVICE_MEMORY:-MI300X}" # MI300X, MI308X, MI355X or GiB
 recompute=selective modules=layernorm,mla_up_proj,core_attn
 if [[ "${PRIMUS_DEVICE_MEMORY^^}" == "MI355X" ]]; then
