@@ -58,18 +58,12 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from primus_v4.errors import ConfigError
-    from primus_v4.training.export_run import (
-        check_exportable,
-        export_checkpoint,
-        find_source,
-        release_tensor_count,
-    )
+    from primus_v4.training.export_run import export_checkpoint, find_source, release_tensor_count
 
     if not args.max_shard_gb > 0:
         raise ConfigError(f"--max-shard-gb {args.max_shard_gb}: must be > 0 (GiB per shard)")
     check_out(Path(args.out))
     source = find_source(args.run, args.step)
-    check_exportable(source)
     with tqdm(
         total=release_tensor_count(source), desc="exporting", unit="tensor",
         disable=args.no_progress,

@@ -34,6 +34,7 @@ from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.pretrained.save import write_release_state
 from primus_v4.training import checkpoint_integrity as integrity
 from primus_v4.training.checkpoint import check_layout, step_dir
+from primus_v4.training.export_lora import is_adapter, merged_state
 from primus_v4.training.run_checkpoints import CONFIG_FILE, MODEL_CONFIG_FILE
 
 log = get_logger(__name__)
@@ -149,6 +150,19 @@ def _check_names(cfg: DeepseekV4Config, stored: dict, checkpoint: Path) -> None:
         )
 
 
+def _check_adapters(cfg: DeepseekV4Config, stored: dict, checkpoint: Path) -> None:
+    """A LoRA checkpoint holds adapters and the model's buffers, nothing else."""
+    table = adapter.name_table(cfg)
+    stray = [n for n in stored if not is_adapter(n) and n not in table]
+    if stray or not any(is_adapter(n) for n in stored):
+        raise ExportError(
+            f"{checkpoint}: not the adapters of a LoRA run of its config.yaml (model.lora): "
+            f"unknown tensors {stray[:8]}"
+            if stray
+            else f"{checkpoint}: holds no adapter"
+        )
+
+
 def _groups(names: list[str]) -> list[list[str]]:
     """Tensors read together: one decoder layer or MTP depth at a time, the rest together."""
     groups: dict[str, list[str]] = {}
@@ -168,17 +182,6 @@ def _stored_state(checkpoint: Path, groups: list[list[str]], stored: dict) -> It
         yield state
 
 
-def check_exportable(source: ExportSource) -> None:
-    """Refuse, by name, a checkpoint this version cannot export."""
-    lora = source.run.model.lora
-    if lora.rank:
-        raise ExportError(
-            f"{source.checkpoint}: a LoRA run (model.lora.rank {lora.rank}) checkpoints its "
-            "adapters only, without the frozen base; exporting them (merged into the release "
-            "layout, or as a PEFT adapter) is not available in this version"
-        )
-
-
 def export_checkpoint(
     source: ExportSource,
     out: str | os.PathLike,
@@ -188,15 +191,20 @@ def export_checkpoint(
     progress: Callable[[int], None] | None = None,
 ) -> WriteSummary:
     """Write `source` as a release directory at `out` (atomic; see the module docstring)."""
-    check_exportable(source)
     cfg = model_config_of(source)
     stored = _stored_model_tensors(source.checkpoint)
-    _check_names(cfg, stored, source.checkpoint)
+    groups = _groups(list(adapter.name_table(cfg)))
+    if source.run.model.lora.rank:  # adapters + buffers: merged into the base as they stream
+        _check_adapters(cfg, stored, source.checkpoint)
+        pieces = merged_state(cfg, source.run, source.checkpoint, stored, groups)
+    else:
+        _check_names(cfg, stored, source.checkpoint)
+        pieces = _stored_state(source.checkpoint, groups, stored)
     tokenizer_dir = resolve_tokenizer_dir(tokenizer_of(source.run))
     try:  # the writer removes its temp dir on any failure: nothing partial is left
         summary = write_release_state(
             cfg,
-            _stored_state(source.checkpoint, _groups(list(adapter.name_table(cfg))), stored),
+            pieces,
             out,
             dtype=dtype,
             max_shard_bytes=max_shard_bytes,

@@ -162,11 +162,15 @@ def test_lora_section_commands_run(tmp_path: Path, capsys: pytest.CaptureFixture
     launches = [c for c in commands if "bash" in c]
     assert len(launches) == 2
     release = _flash_release(tmp_path)
+    run_dirs = []
     for launch in launches:
         at = launch.index("bash")
         env = dict(word.split("=", 1) for word in launch[:at])
         env["PRIMUS_PRETRAINED"] = str(release)
-        r = run_recipe(Path(launch[at + 1]).name, tmp_path, **env).resolved
+        r = run_recipe(Path(launch[at + 1]).name, tmp_path, **env, PRIMUS_OUTPUT_DIR="").resolved
         assert (r["nnodes"], r["world_size"], r["ep"]) == (1, 8, 8)
         assert r["lora"]["rank"] == 16 and r["pretrained"] == str(release)
         assert r["seq_length"] == int(env.get("PRIMUS_SEQ_LENGTH", 4096))
+        run_dirs.append(Path(r["output_dir"]))
+    [export] = [c for c in commands if c[:2] == ["primus-v4", "export"]]
+    assert REPO / build_parser().parse_args(export[1:]).run == run_dirs[0]  # the 4k run
