@@ -1,0 +1,114 @@
+"""Full fine-tuning vs LoRA on the tiny model, side by side in one run (not a test).
+
+Three runs of the same job on the same packs (the embedded default's synthetic corpus, float32 on
+CPU): full fine-tuning, LoRA rank 8 and LoRA rank 64 (alpha = 2 x rank, the default targets:
+attention projections, shared and routed experts, one adapter per expert). Printed: the loss
+curves, trainable parameters, optimizer bytes (fp32 moments and masters) and gradient buffers,
+seconds per step. Then how much of each trained adapter's update survives the release's FP8 / FP4
+quantization of a merged export: the base rounded to the release format first (as a released
+checkpoint is), W + D quantized again, and |Q(W + D) - W| / |D| (1: the update arrives whole,
+0: it is rounded away), with the relative error of what arrives.
+
+    python benchmarks/bench_lora.py [--steps 30] [--seq 1024] [--packs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def run(tmp: Path, name: str, steps: int, seq: int, packs: int, lr: float, rank: int):
+    from primus_v4.config import load_config, resolve_run
+    from primus_v4.training.trainer import Trainer
+
+    items = [
+        "data.path=synthetic:rows=400", f"data.cache_dir={tmp / 'cache'}",
+        f"data.lock_dir={tmp / 'locks'}", f"output.dir={tmp / name}", "output.progress_bar=false",
+        "output.plot=false", f"train.steps={steps}", f"data.seq_length={seq}",
+        f"train.global_batch_size={packs}", f"train.lr={lr}", "train.warmup_steps=2",
+    ]  # fmt: skip
+    if rank:
+        items += [f"model.lora.rank={rank}", f"model.lora.alpha={2 * rank}"]
+    trainer = Trainer(resolve_run(load_config(overrides=items), world=1))
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    state = trainer.optimizer.state_bytes()
+    start = time.perf_counter()
+    rows = trainer.train().rows
+    seconds = (time.perf_counter() - start) / steps
+    opt_bytes = sum(v for k, v in state.items() if k != "grad_buffers")
+    return trainer, [r.loss for r in rows], trainable, opt_bytes, state["grad_buffers"], seconds
+
+
+@torch.no_grad()
+def survival(model) -> dict[str, tuple[float, float, int]]:
+    """Per format (fp8: the 2-D attention / shared weights, fp4: the routed experts): the share
+    of the merged update's norm that survives quantization, and the relative error of it."""
+    from primus_v4.checkpoint_formats import fp8_fp4 as q
+    from primus_v4.models.deepseek_v4.lora import merged_weights
+
+    state = model.state_dict()
+    out: dict[str, list[float]] = {"fp8": [0.0, 0.0, 0.0, 0], "fp4": [0.0, 0.0, 0.0, 0]}
+    for name, merged in merged_weights(model).items():
+        w = state[name].float()
+        delta = merged - w
+        fmt = "fp4" if name.endswith(("w_gate_up", "w_down")) else "fp8"
+        for i in range(w.shape[0] if w.dim() == 3 else 1):
+            wi, di = (w[i], delta[i]) if w.dim() == 3 else (w, delta)
+            if fmt == "fp8":
+                base = q.dequantize_fp8(*q.quantize_fp8(wi), torch.float32)
+                got = q.dequantize_fp8(*q.quantize_fp8(base + di), torch.float32) - base
+            else:
+                base = q.dequantize_fp4(*q.quantize_fp4(wi), torch.float32)
+                got = q.dequantize_fp4(*q.quantize_fp4(base + di), torch.float32) - base
+            acc = out[fmt]
+            acc[0] += float((got * di).sum())  # projection of what arrived on the update
+            acc[1] += float(di.square().sum())
+            acc[2] += float((got - di).square().sum())
+            acc[3] += 1
+    return {f: (a[0] / a[1], (a[2] / a[1]) ** 0.5, int(a[3])) for f, a in out.items() if a[1] > 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--packs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=5e-3, help="full fine-tuning")
+    parser.add_argument("--lora-lr", type=float, default=2e-2, help="LoRA runs")
+    args = parser.parse_args()
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, rank, lr in (("full", 0, args.lr), ("lora r8", 8, args.lora_lr),
+                               ("lora r64", 64, args.lora_lr)):  # fmt: skip
+            runs[name] = run(Path(tmp), name.replace(" ", "_"), args.steps, args.seq,
+                             args.packs, lr, rank)  # fmt: skip
+    names = list(runs)
+    print(f"{'step':>4} " + " ".join(f"{n:>10}" for n in names))
+    for i in range(args.steps):
+        print(f"{i + 1:>4} " + " ".join(f"{runs[n][1][i]:>10.4f}" for n in names))
+    mib = 2**20
+    print(f"{'':>22}" + "".join(f"{n:>14}" for n in names))
+    rows = (
+        ("trainable parameters", lambda r: f"{r[2]:,}"),
+        ("optimizer state, MiB", lambda r: f"{r[3] / mib:.2f}"),
+        ("gradient buffers, MiB", lambda r: f"{r[4] / mib:.2f}"),
+        ("seconds per step", lambda r: f"{r[5]:.2f}"),
+        ("loss, last 5 steps", lambda r: f"{sum(r[1][-5:]) / len(r[1][-5:]):.4f}"),
+    )
+    for label, fmt in rows:
+        print(f"{label:<22}" + "".join(f"{fmt(runs[n]):>14}" for n in names))
+    for name in ("lora r8", "lora r64"):
+        for fmt, (kept, err, n) in survival(runs[name][0].model).items():
+            print(f"{name}: {fmt} merge of {n} matrices keeps {100 * kept:.1f}% of the update "
+                  f"(relative error of what arrives {100 * err:.1f}%)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()
