@@ -176,13 +176,15 @@ class ExpertAdapters(_Adapter):
         return ExpertLoRA(**pairs, scale=self.scale, drop=drop)
 
 
-def _linear_spans(target: str, linear: nn.Linear) -> tuple[nn.Linear, list[tuple[int, int]]]:
+def _linear_spans(target: str, linear: nn.Linear) -> list[tuple[int, int]]:
+    """(first row, rows) of `target` in `linear`: the shared expert's gate_up holds w1 rows
+    [0, F) then w3 rows [F, 2F); every other target is the whole weight."""
     half = linear.out_features // 2
     if target == "shared_experts.w1":
-        return linear, [(0, half)]
+        return [(0, half)]
     if target == "shared_experts.w3":
-        return linear, [(half, half)]
-    return linear, [(0, linear.out_features)]
+        return [(half, half)]
+    return [(0, linear.out_features)]
 
 
 def _linear_targets(block: Block) -> dict[str, tuple[nn.Module, str]]:
@@ -204,7 +206,7 @@ def _adapt_linears(block: Block, spec: LoraSpec) -> list[nn.Module]:
     for target in spec.targets:
         if target in table:  # absent ones (a compressor of a dense layer) are skipped
             owner, attr = table[target]
-            _, spans = _linear_spans(target, getattr(owner, attr))
+            spans = _linear_spans(target, getattr(owner, attr))
             grouped.setdefault((id(owner), attr), (owner, attr, []))[2].extend(spans)
     made = []
     for owner, attr, spans in grouped.values():
