@@ -87,7 +87,8 @@ def _group_of(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] in ("layers", "mtp") else ""
 
 
-def _load(checkpoint: Path, names: list[str], stored: dict) -> dict[str, torch.Tensor]:
+def load_group(checkpoint: Path, names: list[str], stored: dict) -> dict[str, torch.Tensor]:
+    """`names` of a DCP checkpoint's model state (`stored`: name -> (shape, dtype))."""
     state = {n: torch.empty(stored[n][0], dtype=stored[n][1]) for n in names}
     if state:
         with warnings.catch_warnings():
@@ -112,7 +113,7 @@ def merged_state(
     with base as read:
         for group in groups:
             state = read(group)
-            own = _load(checkpoint, by_group.get(_group_of(group[0]), []), stored)
+            own = load_group(checkpoint, by_group.get(_group_of(group[0]), []), stored)
             adapters = {n: t for n, t in own.items() if is_adapter(n)}
             state.update({n: t for n, t in own.items() if n in state})  # buffers: the run's
             merge_adapters(state, adapters, run.model.lora)

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from primus_v4.checkpoint_formats.sharded import ExportDtype, WriteSummary, tokenizer_files
@@ -34,7 +32,7 @@ from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.pretrained.save import write_release_state
 from primus_v4.training import checkpoint_integrity as integrity
 from primus_v4.training.checkpoint import check_layout, step_dir
-from primus_v4.training.export_lora import is_adapter, merged_state
+from primus_v4.training.export_lora import is_adapter, load_group, merged_state
 from primus_v4.training.run_checkpoints import CONFIG_FILE, MODEL_CONFIG_FILE
 
 log = get_logger(__name__)
@@ -175,11 +173,7 @@ def _groups(names: list[str]) -> list[list[str]]:
 
 def _stored_state(checkpoint: Path, groups: list[list[str]], stored: dict) -> Iterator[dict]:
     for group in groups:
-        state = {n: torch.empty(stored[n][0], dtype=stored[n][1]) for n in group}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # DCP's no_dist notice
-            dcp.load({"model": state}, checkpoint_id=checkpoint, no_dist=True)
-        yield state
+        yield load_group(checkpoint, group, stored)
 
 
 def export_checkpoint(
