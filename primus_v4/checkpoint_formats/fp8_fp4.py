@@ -182,9 +182,25 @@ def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     n, half = weight.shape
     _check_fp4(weight.shape, scale)
     work = work_dtype(dtype)
+    if weight.device.type != "cpu":
+        return dequantize_fp4_elementwise(weight, scale, work).to(dtype)
     out = torch.empty(n, 2 * half, dtype=work, device=weight.device)
     dequantize_fp4_into(weight, scale, out)
     return out.to(dtype)
+
+
+def dequantize_fp4_elementwise(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """`dequantize_fp4` by elementwise ops on the weight's own device (accelerators: the CPU
+    path's byte tables live on the host). Each nibble's value times its power-of-two scale is
+    exact in bf16 / fp32 / fp64, so the bits equal the table path's."""
+    n, half = weight.shape
+    byte = weight.contiguous().view(torch.uint8)
+    codes = torch.stack((byte & 0xF, byte >> 4), dim=-1).view(n, 2 * half).long()
+    values = torch.tensor(FP4_VALUES, dtype=dtype, device=weight.device)[codes]
+    scaled = values.view(n, -1, FP4_BLOCK) * e8m0_to_float(scale).to(dtype)[:, :, None]
+    return scaled.view(n, 2 * half)
 
 
 def dequantize_fp4_into(

@@ -303,6 +303,32 @@ class CheckpointReader:
         else:
             out.copy_(self.read(name, out.dtype))
 
+    def read_stored_into(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> str:
+        """Quantized weight `name` as stored, undecoded: its bytes into `weight` and its ue8m0
+        scale bytes into `scale` (uint8 tensors of the stored shapes, on any device). Returns
+        the kind ('fp8' / 'fp4'); a weight stored unquantized raises naming it."""
+        kind = self.storage(name)
+        if kind not in ("fp8", "fp4"):
+            raise CheckpointFormatError(
+                f"{self.directory / self.shard_of(name)}: '{name}' is stored as {kind}, not "
+                "FP8 / FP4; only a quantized release can be kept as released"
+            )
+        for dst, part in ((weight, name), (scale, self._scale_of[name])):
+            stored = self._stored(part)
+            if tuple(dst.shape) != tuple(stored.shape) or stored.dtype.itemsize != 1:
+                raise CheckpointFormatError(
+                    f"{self.directory / stored.shard}: '{part}' is stored {list(stored.shape)} "
+                    f"{stored.dtype}, expected {list(dst.shape)} of one byte each (FP8 / FP4 "
+                    "codes, ue8m0 scales)"
+                )
+            direct = dst.device.type == "cpu" and dst.is_contiguous()
+            host = dst if direct else torch.empty(dst.shape, dtype=torch.uint8)
+            self._pread(stored, host)
+            self._count(stored.nbytes)
+            if not direct:
+                dst.copy_(host)
+        return kind
+
     def _decode_into(self, name: str, kind: str, out: torch.Tensor) -> None:
         """Dequantize `name` into the contiguous CPU tensor `out`, a row chunk at a time."""
         weight, scale = self._stored(name), self._raw(self._scale_of[name])

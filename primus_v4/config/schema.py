@@ -107,6 +107,11 @@ class LoraConfig:
     """Which modules get adapters, by release name (LORA_TARGETS)."""
     expert_adapters: Literal["per_expert", "shared"] = "per_expert"
     """Routed experts: one adapter per expert, or one shared by the experts of a rank."""
+    base: Literal["bfloat16", "release"] = "bfloat16"
+    """How the frozen base is held: decoded into model.dtype (bfloat16), or as the release
+    stores it (release: FP8 / FP4 bytes and ue8m0 scales, decoded one weight at a time in the
+    forward and backward; Flash's base ~160 GB instead of ~580 GB). A random-init base is
+    quantized as a release would store it."""
 
     def __post_init__(self) -> None:
         _require(self.rank >= 0, "model.lora.rank", f"must be >= 0, got {self.rank}")

@@ -30,7 +30,7 @@ class ModelSpec:
     build: Callable[[Any], nn.Module]
     """config -> the whole model (call under `torch.device("meta")` to allocate nothing)."""
     parallelize: Callable[..., Any]
-    """(model, ctx, *, pp_layout, packed, device, seed, weights) -> `Parallelized`."""
+    """(model, ctx, *, pp_layout, packed, device, seed, weights, prepare) -> `Parallelized`."""
     is_meta: Callable[[nn.Module], bool]
     """Whether a model still holds meta (shape-only) parameters."""
     cp_splitter: Callable[..., Any]
@@ -41,3 +41,6 @@ class ModelSpec:
     add_adapters: Callable[..., int]
     """(rank module, the run's `model.lora` section, *, seed) -> adapter parameters added: the
     module's own parameters frozen, LoRA adapters added and initialized."""
+    keep_release: Callable[..., int]
+    """(rank module, config, *, dtype) -> weights kept as the release stores them (meta: to be
+    read by the loader; materialized: quantized), decoded per use (`model.lora.base: release`)."""

@@ -12,8 +12,10 @@ pipeline stage and expert shard (models/deepseek_v4/parallelize.py): our tensor 
 global layer indices and an expert shard knows its global rows (`MoE.expert_offset`), so the
 name table turns the rank's state-dict keys into exactly the release tensors it needs; each is
 read from its shard with positioned reads and decoded straight into the parameter (in its
-dtype). Before reading, every rank checks the checkpoint's names against the whole model's
-(names only): a checkpoint of another model fails on every rank with the same message.
+dtype). Weights kept as released (`model.lora.base: release`, release_base.ReleaseWeight) are
+read undecoded into their byte buffers instead. Before reading, every rank checks the
+checkpoint's names against the whole model's (names only): a checkpoint of another model fails
+on every rank with the same message.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.hyper_connection import HyperHead, HyperMixer
 from primus_v4.models.deepseek_v4.model import DeepseekV4Model
 from primus_v4.models.deepseek_v4.moe import MoE
+from primus_v4.models.deepseek_v4.release_base import keep_release_base, release_weights
 from primus_v4.models.deepseek_v4.rope import RotaryEmbedding
 from primus_v4.models.deepseek_v4.weight_init import init_buffers
 
@@ -114,11 +117,12 @@ class RankLoad:
 
 def expert_range(model: nn.Module) -> tuple[int, int] | None:
     """Global experts [lo, hi) this rank's MoE layers hold (all of them alike), None if no MoE."""
-    ranges = {
-        (getattr(m, "expert_offset", 0), getattr(m, "expert_offset", 0) + m.w_gate_up.shape[0])
-        for m in model.modules()
-        if isinstance(m, MoE)
-    }
+    ranges = set()
+    for m in model.modules():
+        if isinstance(m, MoE):
+            rows = (m.w_gate_up if m.w_gate_up_release is None else m.w_gate_up_release).shape[0]
+            lo = getattr(m, "expert_offset", 0)
+            ranges.add((lo, lo + rows))
     if len(ranges) > 1:
         raise ValueError(f"MoE layers of one rank hold different experts: {sorted(ranges)}")
     return ranges.pop() if ranges else None
@@ -137,10 +141,16 @@ def load_rank_weights(
     with open_release(directory) as reader:
         check_consumed(reader, cfg)
         wanted = adapter.needed(cfg, list(targets), expert_range=experts)
+        kept = list(release_weights(model))
+        stored = [(n, part) for w in kept for n, part in _stored_parts(cfg, w, experts)]
+        wanted += [n for n, _ in stored]
         bar = tqdm(total=len(wanted), desc="loading", unit="tensor", disable=not progress)
 
         with bar, reader.concurrent(load_workers(), progress=bar.update) as read_into:
             adapter.fill_state(cfg, targets, expert_range=experts, read_into=read_into)
+        for name, (codes, scales) in stored:
+            reader.read_stored_into(name, codes, scales)
+            bar.update(1)
         done = RankLoad(
             tensors=len(wanted), bytes_read=reader.bytes_read, checkpoint_bytes=reader.total_bytes()
         )
@@ -150,6 +160,12 @@ def load_rank_weights(
         experts,
     )  # fmt: skip
     return done
+
+
+def _stored_parts(cfg: DeepseekV4Config, weight: nn.Module, experts: tuple[int, int] | None):
+    """(release name, (codes, scales) buffers) of a weight kept as released."""
+    entry = adapter.name_table(cfg)[weight.ours]
+    return zip(entry.release_names(experts), weight.stored_parts(), strict=True)
 
 
 def rank_loader(
@@ -178,25 +194,20 @@ def load_pretrained(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    keep_release: bool = False,
     **model_kwargs,
 ) -> DeepseekV4Model:
     """The model of a release directory (config.json + safetensors shards), every parameter
-    and persistent buffer loaded, FP8/FP4 decoded into `dtype` (see the module docstring)."""
+    and persistent buffer loaded, FP8/FP4 decoded into `dtype` (see the module docstring), or
+    with `keep_release` kept as stored and decoded per use (release_base.py)."""
     cfg = read_config(path)
     with torch.device("meta"):
         model = DeepseekV4Model(cfg, **model_kwargs)
     model.to(dtype)  # still on meta: nothing is allocated twice
     _restore_float32(model)
+    if keep_release:
+        keep_release_base(model, cfg, dtype=dtype)
     model.to_empty(device=device)
     init_buffers(model)
-    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    targets = {n: own[n] for n in model.state_dict()}
-    with open_release(path) as reader:
-        check_consumed(reader, cfg)
-        total = len(adapter.needed(cfg, targets))
-        bar = tqdm(total=total, desc="loading", unit="tensor", disable=not progress)
-
-        with reader.concurrent(load_workers(), progress=bar.update) as read_into:
-            adapter.fill_state(cfg, targets, read_into=read_into)
-        bar.close()
+    load_rank_weights(model, path, progress=progress)
     return model

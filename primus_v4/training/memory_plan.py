@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
+
 from primus_v4.kernels.saved_sets import planned_attention_backend
 from primus_v4.models.deepseek_v4.recompute import selected
 from primus_v4.parallel.data_parallel import BUCKET_BYTES
@@ -113,6 +115,42 @@ class _Param(NamedTuple):
     expert: bool  # sharded over EP: its state is sharded over expert-DP
     tied: bool  # the pipeline-tied embedding (its bucket stays float32)
     trainable: bool  # frozen ones (the indexer; a LoRA run's base) are weights only
+
+
+@dataclass
+class _Kept:
+    """A stage's base weights kept as released (`model.lora.base: release`)."""
+
+    stored: int = 0  # code and scale bytes
+    decoded: dict[str, int] = field(default_factory=dict)  # layer -> decoded expert bytes
+    biggest: int = 0  # the largest other decoded weight, in bytes
+
+    def rows(self, plan: MemoryPlan) -> None:
+        if not self.stored:
+            return
+        plan.add("base weights as released (FP8 / FP4 + ue8m0 scales)", self.stored)
+        # A layer's experts decode together inside their checkpoint (forward and the
+        # backward's recompute), next to at most one other decoded weight.
+        in_use = max(self.decoded.values(), default=0) + self.biggest
+        plan.add("decoded base weights in use (one layer's experts + one linear)", in_use,
+                 phase="backward")  # fmt: skip
+
+
+def _count_kept(model: Any, kept: list[_Kept], specs: list[Any], has_mtp: bool, *, ep: int,
+                b: int) -> None:  # fmt: skip
+    for name, module in model.named_modules():
+        if not hasattr(module, "stored_parts"):  # release_base.ReleaseWeight
+            continue
+        expert = name.endswith(("w_gate_up_release", "w_down_release"))
+        share = ep if expert else 1
+        for s in _stage_of(f"{name}.q", specs, has_mtp):
+            kept[s].stored += module.nbytes() // share
+            decoded = math.prod(module.shape) // share * b
+            if expert:
+                layer = name.rsplit(".", 2)[0]
+                kept[s].decoded[layer] = kept[s].decoded.get(layer, 0) + decoded
+            else:
+                kept[s].biggest = max(kept[s].biggest, decoded)
 
 
 def _is_expert_shard(name: str, lora: Any) -> bool:
@@ -295,8 +333,14 @@ def plan_memory(
                         mtp_num_layers=cfg.mtp_num_layers or 0,
                         layout=run.cfg.parallel.pp_layout)  # fmt: skip
     has_mtp = bool(cfg.mtp_num_layers)
-    if run.cfg.model.lora.rank:  # the base frozen, adapters added (shapes only, on meta)
-        model_spec().add_adapters(model, run.cfg.model.lora, seed=0)
+    lora = run.cfg.model.lora
+    kept = [_Kept() for _ in specs]
+    if lora.rank and lora.base == "release":  # FP8 / FP4 bytes instead of those parameters
+        d = torch.bfloat16 if _dtype_bytes(run) == 2 else torch.float32
+        model_spec().keep_release(model, cfg, dtype=d)
+        _count_kept(model, kept, specs, has_mtp, ep=sizes.ep, b=_dtype_bytes(run))
+    if lora.rank:  # the base frozen, adapters added (shapes only, on meta)
+        model_spec().add_adapters(model, lora, seed=0)
     per_stage: list[list[_Param]] = [[] for _ in specs]
     for name, p in model.named_parameters():
         expert = sizes.ep > 1 and _is_expert_shard(name, run.cfg.model.lora)
@@ -311,6 +355,7 @@ def plan_memory(
         plan = MemoryPlan(stage=spec.index,
                           device_bytes=device_gb * GIB if device_gb else None)  # fmt: skip
         _static_rows(plan, run, params)
+        kept[spec.index].rows(plan)
         activation_rows(plan, cfg, spec, seq=run.cfg.data.seq_length, cp=sizes.cp,
                         b=_dtype_bytes(run), held=in_flight(micro, sizes.pp, spec.index),
                         supervised_fraction=supervised_fraction,

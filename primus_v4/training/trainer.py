@@ -205,6 +205,15 @@ class Trainer:
         weights = self._pretrained_weights()
         # Random init: the weights are drawn from train.seed while materializing.
         self._drawn = weights is None and spec.is_meta(model)
+        lora = self.cfg.model.lora
+        keep = bool(lora.rank) and lora.base == "release"
+        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
+        cfg = self.run.model
+
+        def keep_release(rank_model: nn.Module) -> None:
+            n = spec.keep_release(rank_model, cfg, dtype=dtype)
+            log.info("model.lora.base=release: %d base weights kept as FP8 / FP4 bytes", n)
+
         done = spec.parallelize(
             model,
             self.runtime.ctx,
@@ -213,7 +222,10 @@ class Trainer:
             device=self.runtime.device,
             seed=self.cfg.train.seed,
             weights=weights,
+            prepare=keep_release if keep and weights is not None else None,
         )
+        if keep and weights is None:  # a drawn base: quantized as a release would store it
+            keep_release(done.model)
         self.pipeline: Any = done.pipeline
         return done.model
 

@@ -93,13 +93,17 @@ def test_every_recipe_plans_at_most_90_percent_of_the_device(tmp_path, script, d
     assert max(_stage_peaks(run.stderr)) <= 0.9 * gib, run.stderr
 
 
+@pytest.mark.parametrize("base", ["release", "bfloat16"])
 @pytest.mark.parametrize("seq,cp,gbs", [(4096, 1, 8), (32768, 8, 4)])
-def test_one_node_flash_lora_fits_an_mi300x(tmp_path, seq, cp, gbs):
+def test_one_node_flash_lora_fits_an_mi300x(tmp_path, seq, cp, gbs, base):
     run = run_recipe("run_lora_flash_1node.sh", tmp_path, PRIMUS_MEMORY_PLAN="1",
-                     PRIMUS_SEQ_LENGTH=str(seq))  # fmt: skip
+                     PRIMUS_SEQ_LENGTH=str(seq), PRIMUS_LORA_BASE=base)  # fmt: skip
     r = run.resolved
     assert (r["nnodes"], r["pp"], r["cp"], r["ep"], r["global_batch_size"]) == (1, 1, cp, 8, gbs)
     assert r["lora"]["rank"] == 16 and r["lora"]["expert_adapters"] == "per_expert"
+    assert r["lora"]["base"] == base
+    released = "base weights as released (FP8 / FP4 + ue8m0 scales)" in run.stderr
+    assert released == (base == "release") and ("weights (bfloat16)" in run.stderr)
     assert "memory plan per rank: world 8 = pp 1 x cp" in run.stderr
     assert max(_stage_peaks(run.stderr)) <= 0.9 * 192, run.stderr
     _assert_flash_model(r)

@@ -40,6 +40,7 @@ from primus_v4.models.deepseek_v4.indexer import Indexer
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
 from primus_v4.models.deepseek_v4.norm import RMSNorm, rms_norm
 from primus_v4.models.deepseek_v4.recompute import DiscardedPart, selected
+from primus_v4.models.deepseek_v4.release_base import ReleaseWeight, frozen_grouped
 from primus_v4.models.deepseek_v4.rope import RotaryEmbedding
 
 
@@ -63,12 +64,13 @@ class Attention(nn.Module):
         self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
         self.wkv = nn.Linear(dh, d, bias=False)
         self.kv_norm = RMSNorm(d, self.eps)
-        g = cfg.o_groups
+        g = self.n_groups = cfg.o_groups
         # 64 heads x 512 / 8 groups = 4096 inputs per group, each projected to o_lora_rank.
         self.wo_a = nn.Parameter(torch.empty(g, cfg.o_lora_rank, h * d // g))
         self.wo_b = nn.Linear(g * cfg.o_lora_rank, dh, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(h)) if cfg.attn_sink else None
         self.wo_a_lora: nn.Module | None = None  # LoRA on wo_a's groups (lora.py), when added
+        self.wo_a_release: ReleaseWeight | None = None  # wo_a kept as released (release_base.py)
         self.rope = RotaryEmbedding(cfg, compressed=compress_ratio > 0)
         self.compressor = self.indexer = None
         if compress_ratio:
@@ -128,7 +130,7 @@ class Attention(nn.Module):
     def _groups(self, o_THD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
         """[G, T, H*D/G]: the rope channels rotated back by -position, split by output group."""
         o_THD = self.rope(o_THD, positions_T, inverse=True)
-        return o_THD.reshape(o_THD.shape[0], self.wo_a.shape[0], -1).transpose(0, 1).contiguous()
+        return o_THD.reshape(o_THD.shape[0], self.n_groups, -1).transpose(0, 1).contiguous()
 
     def _core(self, q_THD, kv_ND, sink_H, lo_TR, hi_TR, idx_TK, positions_T) -> torch.Tensor:
         """Sparse attention, output split into groups (the `core_attn` part)."""
@@ -139,7 +141,10 @@ class Attention(nn.Module):
     def _project(self, o_GTI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Grouped low-rank output: each group's H*D/G channels -> o_lora, then all -> hidden;
         returns ([G, T, O] after the first map, [T, hidden])."""
-        y_GTR = torch.bmm(o_GTI, self.wo_a.transpose(1, 2))
+        if self.wo_a_release is not None:
+            y_GTR = frozen_grouped(o_GTI, self.wo_a_release)
+        else:
+            y_GTR = torch.bmm(o_GTI, self.wo_a.transpose(1, 2))
         if self.wo_a_lora is not None:
             y_GTR = y_GTR + self.wo_a_lora(o_GTI)
         return y_GTR, self.wo_b(y_GTR.transpose(0, 1).flatten(1))
@@ -155,7 +160,7 @@ class Attention(nn.Module):
         qr_TQ = self.q_norm(self.wq_a(x_TD))
         up = self._q_up
         if "mla_up_proj" in self.recompute:
-            up = DiscardedPart(self._q_up, params=[self.wq_b.weight])
+            up = DiscardedPart(self._q_up, params=list(self.wq_b.parameters()))  # + adapters
         q_THD = up(qr_TQ, positions_T)
         kv_TD = self.rope(self.kv_norm(self.wkv(x_TD)), positions_T)
         parts = [layout.comm.left_rows(kv_TD, self.window - 1), kv_TD]

@@ -31,6 +31,7 @@ from torch import nn
 from primus_v4.kernels.grouped_experts import ExpertLoRA
 from primus_v4.models.deepseek_v4.attention import Attention
 from primus_v4.models.deepseek_v4.block import Block
+from primus_v4.models.deepseek_v4.release_base import ReleaseLinear, frozen_linear
 from primus_v4.models.deepseek_v4.weight_init import param_seed
 
 EXPERT_TARGETS = {"experts.w1": "gate", "experts.w3": "up", "experts.w2": "down"}
@@ -74,16 +75,24 @@ class LoRALinear(nn.Linear):
 
     adapter_params = frozenset({"lora_A", "lora_B"})
 
-    def __init__(self, base: nn.Linear, spec: LoraSpec, spans: list[tuple[int, int]]) -> None:
+    def __init__(
+        self, base: nn.Linear | ReleaseLinear, spec: LoraSpec, spans: list[tuple[int, int]]
+    ) -> None:
         nn.Module.__init__(self)
-        assert base.bias is None, "release linears have no bias"
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
+        self.source = None  # the base as released (release_base.py), instead of `weight`
+        if isinstance(base, ReleaseLinear):
+            self.register_parameter("weight", None)
+            self.source = base.source
+            kw = {"device": base.source.q.device, "dtype": base.source.dtype}
+        else:
+            assert base.bias is None, "release linears have no bias"
+            self.weight = base.weight
+            kw = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.register_parameter("bias", None)
         self.spans = spans  # (first output row, rows), all of one size
         size = spans[0][1]
         assert all(n == size for _, n in spans)
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.lora_A = nn.Parameter(torch.empty(len(spans), spec.rank, self.in_features, **kw))
         self.lora_B = nn.Parameter(torch.zeros(len(spans), size, spec.rank, **kw))
         self.rank, self.scale = spec.rank, spec.scale
@@ -95,8 +104,11 @@ class LoRALinear(nn.Linear):
             self.lora_A.copy_(a)
             self.lora_B.zero_()
 
+    def base_weight(self) -> torch.Tensor:
+        return self.weight if self.source is None else self.source()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.source is None else frozen_linear(x, self.source)
         x2 = self.dropout(x).reshape(-1, self.in_features)
         z = torch.einsum("ti,kri->ktr", x2, self.lora_A)
         d = torch.bmm(z, self.lora_B.transpose(1, 2)) * self.scale  # [k, T, size]
@@ -116,10 +128,11 @@ class LoRALinear(nn.Linear):
 class GroupedLoRA(_Adapter):
     """One adapter per output group of wo_a [G, O, I]: s B_g A_g o_g, batched over groups."""
 
-    def __init__(self, wo_a: torch.Tensor, spec: LoraSpec) -> None:
+    def __init__(self, attn: Attention, spec: LoraSpec) -> None:
         super().__init__(spec)
-        g, o, i = wo_a.shape
-        kw = {"device": wo_a.device, "dtype": wo_a.dtype}
+        base = attn.wo_a_release
+        g, o, i = base.shape if base is not None else attn.wo_a.shape
+        kw = base_kw(attn, "wo_a")
         self.lora_A = nn.Parameter(torch.empty(g, spec.rank, i, **kw))
         self.lora_B = nn.Parameter(torch.zeros(g, o, spec.rank, **kw))
 
@@ -139,13 +152,14 @@ class ExpertAdapters(_Adapter):
 
     def __init__(self, moe: nn.Module, spec: LoraSpec, kinds: list[str]) -> None:
         super().__init__(spec)
-        e, two_f, d = moe.w_gate_up.shape
+        base = moe.w_gate_up if moe.w_gate_up_release is None else moe.w_gate_up_release
+        e, two_f, d = base.shape
         f, shared = two_f // 2, spec.expert_adapters == "shared"
         self.shared, self.kinds = shared, kinds
         self.adapter_params = frozenset(f"{k}_{m}" for k in kinds for m in "AB")
         self.expert_offset = getattr(moe, "expert_offset", 0)
         n = 1 if shared else e
-        kw = {"device": moe.w_gate_up.device, "dtype": moe.w_gate_up.dtype}
+        kw = base_kw(moe, "w_gate_up")
         dims = {"gate": (d, f), "up": (d, f), "down": (f, d)}
         for kind in kinds:
             fan_in, out = dims[kind]
@@ -156,8 +170,8 @@ class ExpertAdapters(_Adapter):
             if not shared:  # sharded like the expert weights (gradients over expert-DP)
                 for p in (getattr(self, f"{kind}_A"), getattr(self, f"{kind}_B")):
                     for tag in ("expert_parallel", "expert_group"):
-                        if hasattr(moe.w_gate_up, tag):
-                            setattr(p, tag, getattr(moe.w_gate_up, tag))
+                        if hasattr(base, tag):
+                            setattr(p, tag, getattr(base, tag))
 
     def init_adapters(self, seed: int, name: str) -> None:
         with torch.no_grad():
@@ -174,6 +188,21 @@ class ExpertAdapters(_Adapter):
         pairs = {k: (getattr(self, f"{k}_A"), getattr(self, f"{k}_B")) for k in self.kinds}
         drop = None if isinstance(self.dropout, nn.Identity) else self.dropout
         return ExpertLoRA(**pairs, scale=self.scale, drop=drop)
+
+
+def base_kw(owner: nn.Module, name: str) -> dict:
+    """Device and dtype of `owner`'s base tensor `name` (a parameter or kept as released)."""
+    released = getattr(owner, f"{name}_release", None)
+    if released is not None:
+        return {"device": released.q.device, "dtype": released.dtype}
+    t = getattr(owner, name)
+    return {"device": t.device, "dtype": t.dtype}
+
+
+def base_value(owner: nn.Module, name: str) -> torch.Tensor:
+    """`owner`'s base tensor `name`, decoded when kept as released."""
+    released = getattr(owner, f"{name}_release", None)
+    return released() if released is not None else getattr(owner, name)
 
 
 def _linear_spans(target: str, linear: nn.Linear) -> list[tuple[int, int]]:
@@ -226,7 +255,7 @@ def apply_lora(model: nn.Module, spec: LoraSpec, *, seed: int) -> int:
         _adapt_linears(block, spec)
         attn: Attention = block.attn
         if "wo_a" in spec.targets:
-            attn.wo_a_lora = GroupedLoRA(attn.wo_a, spec)
+            attn.wo_a_lora = GroupedLoRA(attn, spec)
         kinds = [EXPERT_TARGETS[t] for t in spec.targets if t in EXPERT_TARGETS]
         if kinds:
             block.moe.expert_lora = ExpertAdapters(block.moe, spec, sorted(kinds))
@@ -252,19 +281,20 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(module, LoRALinear):
-            w = module.weight.float().clone()
+            w = module.base_weight().float().clone()
             for (lo, n), a, b in zip(module.spans, module.lora_A, module.lora_B, strict=True):
                 w[lo : lo + n] += module.scale * (b.float() @ a.float())
             out[f"{prefix}weight"] = w
         elif isinstance(module, Attention) and module.wo_a_lora is not None:
             ad = module.wo_a_lora
             delta = torch.bmm(ad.lora_B.float(), ad.lora_A.float()) * ad.scale
-            out[f"{prefix}wo_a"] = module.wo_a.float() + delta
+            out[f"{prefix}wo_a"] = base_value(module, "wo_a").float() + delta
         elif isinstance(module, nn.Module) and getattr(module, "expert_lora", None) is not None:
             ad = module.expert_lora
-            e, two_f, _ = module.w_gate_up.shape
+            gu = base_value(module, "w_gate_up").float().clone()
+            down = base_value(module, "w_down").float().clone()
+            e, two_f, _ = gu.shape
             f = two_f // 2
-            gu, down = module.w_gate_up.float().clone(), module.w_down.float().clone()
             for kind in ad.kinds:
                 a, b = getattr(ad, f"{kind}_A").float(), getattr(ad, f"{kind}_B").float()
                 delta = (torch.bmm(b, a) * ad.scale).expand(e, -1, -1)  # shared: E' = 1

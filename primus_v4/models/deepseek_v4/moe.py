@@ -20,6 +20,7 @@ from primus_v4.kernels.registry import resolve
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.layout import RowLayout
 from primus_v4.models.deepseek_v4.recompute import checkpointed, selected
+from primus_v4.models.deepseek_v4.release_base import ReleaseWeight
 from primus_v4.models.deepseek_v4.stream_sums import EXACT, float32_linear, weighted_sum
 
 
@@ -314,6 +315,9 @@ class MoE(nn.Module):
         self.grouped_experts = resolve(GROUPED_EXPERTS)
         self.recompute_shared = "shared_experts" in selected(cfg)
         self.expert_lora: nn.Module | None = None  # LoRA of the routed experts (lora.py)
+        # The base kept as released (release_base.py): these replace w_gate_up / w_down.
+        self.w_gate_up_release: ReleaseWeight | None = None
+        self.w_down_release: ReleaseWeight | None = None
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.w_gate_up, std=std)
@@ -327,8 +331,17 @@ class MoE(nn.Module):
         x_RD = x_TD.index_select(0, routing.routed_rows_R)
         x_MD, counts, handle = self.dispatcher.dispatch(x_RD, expert_RK, self.num_experts)
         lora = {} if self.expert_lora is None else {"lora": self.expert_lora.kernel_args()}
-        y_MD = self.grouped_experts(x_MD, counts, self.w_gate_up, self.w_down, limit=self.limit,
-                                    **lora)  # fmt: skip
+        if self.w_gate_up_release is None:
+            y_MD = self.grouped_experts(x_MD, counts, self.w_gate_up, self.w_down,
+                                        limit=self.limit, **lora)  # fmt: skip
+        else:  # decoded inside a checkpoint: the backward decodes (and recomputes) again
+            gate_up, down = self.w_gate_up_release, self.w_down_release
+
+            def experts(x: torch.Tensor) -> torch.Tensor:
+                return self.grouped_experts(x, counts, gate_up(), down(), limit=self.limit,
+                                            **lora)  # fmt: skip
+
+            y_MD = checkpointed(experts, x_MD)
         y_RD = self.dispatcher.combine(y_MD, weight_RK, handle)
         # Routed and shared outputs summed in float32 and rounded once (as the release's MoE).
         # index_put, not index_add: index_add's backward keeps the float32 [R, D] source alive.

@@ -50,12 +50,15 @@ def parallelize(
     device: torch.device,
     seed: int | None = None,
     weights: Callable[[nn.Module], None] | None = None,
+    prepare: Callable[[nn.Module], None] | None = None,
 ) -> Parallelized:
     """Apply pipeline and expert parallelism of `ctx` to a full DeepseekV4Model; a meta-device
     model is materialized on `device` afterwards under `seed` (see `materialize`), or filled by
-    `weights(rank_model)` (a pretrained checkpoint: only what the rank keeps is read)."""
+    `weights(rank_model)` (a pretrained checkpoint: only what the rank keeps is read).
+    `prepare(rank_model)` runs first, before anything is allocated (e.g. keeping the base as
+    released: release_base.keep_release_base)."""
     if ctx.pp.size == 1 and ctx.ep.size == 1:
-        _materialize_or_fill(model, device=device, seed=seed, weights=weights)
+        _materialize_or_fill(model, device=device, seed=seed, weights=weights, prepare=prepare)
         return Parallelized(model=model)
     spec = None
     if ctx.pp.size > 1:
@@ -73,7 +76,7 @@ def parallelize(
         layers = apply_expert_parallel(model, ctx.ep)
         log.info("expert parallel: %d MoE layers hold %d of their experts each", layers,
                  model.cfg.num_moe_experts // ctx.ep.size)  # fmt: skip
-    _materialize_or_fill(model, device=device, seed=seed, weights=weights)
+    _materialize_or_fill(model, device=device, seed=seed, weights=weights, prepare=prepare)
     runner = None
     if spec is not None:
         runner = PipelineRunner(model, ctx, device=device, output=ModelOutput.from_sums)
@@ -91,7 +94,10 @@ def _materialize_or_fill(
     device: torch.device,
     seed: int | None,
     weights: Callable[[nn.Module], None] | None,
+    prepare: Callable[[nn.Module], None] | None = None,
 ) -> None:
+    if prepare is not None:
+        prepare(model)
     if is_meta(model):
         materialize(model, device=device, seed=seed, weights=weights)
     elif weights is not None:

@@ -114,7 +114,9 @@ class DiscardedPart:
         backward of any consumer."""
         afters = [after] if torch.is_tensor(after) else list(after)
         afters = [t for t in afters if t.requires_grad]
-        if self.ctx is None or not afters:
+        # Outputs without a graph (no input or parameter needs a gradient: the first layer of a
+        # LoRA run, its embedding frozen) have no saved inputs to be rebuilt from: kept.
+        if self.ctx is None or not afters or not any(o.requires_grad for o in self.outputs):
             return
         self.sizes = [o.untyped_storage().nbytes() for o in self.outputs]
         for o in self.outputs:

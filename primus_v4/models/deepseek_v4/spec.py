@@ -11,6 +11,7 @@ from primus_v4.models.deepseek_v4.cp_batch import CpSplitter
 from primus_v4.models.deepseek_v4.lora import LoraSpec, apply_lora
 from primus_v4.models.deepseek_v4.model import DeepseekV4Model
 from primus_v4.models.deepseek_v4.parallelize import is_meta, parallelize
+from primus_v4.models.deepseek_v4.release_base import keep_release_base
 from primus_v4.models.deepseek_v4.router_bias import RouterBiasUpdate
 from primus_v4.models.model_spec import ModelSpec, StepHook
 
@@ -41,4 +42,5 @@ SPEC = ModelSpec(
     cp_splitter=CpSplitter,
     step_hooks=_step_hooks,
     add_adapters=_add_adapters,
+    keep_release=keep_release_base,
 )

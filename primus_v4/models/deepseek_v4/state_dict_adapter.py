@@ -54,6 +54,7 @@ __all__ = [
     "name_table",
     "needed",
     "release_tensors",
+    "split_release",
     "stored_name_map",
     "stored_tensors",
     "to_release",
@@ -335,6 +336,12 @@ def _join(entry: TableEntry, parts: list[torch.Tensor], rows: int) -> torch.Tens
     if entry.op == "down":
         return torch.stack(parts)
     raise ValueError(f"unknown table op {entry.op!r}")
+
+
+def split_release(entry: TableEntry, t: torch.Tensor) -> list[torch.Tensor]:
+    """Our tensor `t` (`entry.ours`, possibly an expert shard) as views of its release tensors,
+    in `entry.release_names` order."""
+    return _split(entry, t)
 
 
 def _split(entry: TableEntry, t: torch.Tensor) -> list[torch.Tensor]:

@@ -1,6 +1,8 @@
-"""LoRA through the trainer (the real tiny model): the base is frozen (its bytes hash the same
-after training), only adapters have optimizer state and checkpoint bytes, the loss falls, and a
-run resumed from its step-2 checkpoint ends exactly where the uninterrupted run ends."""
+"""LoRA through the trainer (the real tiny model), the base decoded (bfloat16) or kept as
+released (release: the drawn base quantized to FP8 / FP4 bytes): the base is frozen (its bytes
+hash the same after training), only adapters have optimizer state and checkpoint bytes, the loss
+falls, and a run resumed from its step-2 checkpoint ends exactly where the uninterrupted run
+ends."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from train_fakes import RAGGED_PACKS, FakeCorpus, tiny_run
@@ -21,12 +24,20 @@ LORA = ("model.lora.rank=8", "model.lora.alpha=16", "train.global_batch_size=2",
 ADAPTER_SUFFIXES = ("lora_A", "lora_B", "gate_A", "gate_B", "up_A", "up_B", "down_A", "down_B")
 
 
+BASES = pytest.mark.parametrize("base", ["bfloat16", "release"])
+
+
 def _digest(model: torch.nn.Module, names: set[str]) -> str:
     h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
+    for name, p in sorted([*model.named_parameters(), *model.named_buffers()]):
         if name in names:
             h.update(name.encode() + p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _kept(model: torch.nn.Module) -> set[str]:
+    """Names of the byte buffers of the weights kept as released."""
+    return {n for n, _ in model.named_buffers() if n.endswith((".q", ".scale"))}
 
 
 def _trainer(tmp: Path, name: str, *settings: str) -> Trainer:
@@ -39,10 +50,14 @@ def _checkpoint_keys(path: Path) -> dict[str, torch.Size]:
     return {k: getattr(m, "size", None) for k, m in meta.items()}
 
 
-def test_lora_trains_adapters_only_and_keeps_the_base(tmp_path: Path) -> None:
-    trainer = _trainer(tmp_path, "run", "train.steps=4", "checkpoint.interval=4")
+@BASES
+def test_lora_trains_adapters_only_and_keeps_the_base(tmp_path: Path, base: str) -> None:
+    trainer = _trainer(tmp_path, "run", "train.steps=4", "checkpoint.interval=4",
+                       f"model.lora.base={base}")  # fmt: skip
     params = dict(trainer.model.named_parameters())
-    base = {n for n, p in params.items() if not p.requires_grad}
+    kept = _kept(trainer.model)
+    assert bool(kept) == (base == "release")
+    base = {n for n, p in params.items() if not p.requires_grad} | kept
     adapters = {n for n, p in params.items() if p.requires_grad}
     assert adapters and all(n.rsplit(".", 1)[-1] in ADAPTER_SUFFIXES for n in adapters)
     before = _digest(trainer.model, base)
@@ -55,6 +70,7 @@ def test_lora_trains_adapters_only_and_keeps_the_base(tmp_path: Path) -> None:
     model_keys = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
     buffers = {n for n, _ in trainer.model.named_buffers()}
     assert adapters <= model_keys and model_keys <= adapters | buffers  # no base weight
+    assert not model_keys & kept
     assert not any(k.startswith(f"optim.state.{n}.") for k in keys for n in base)
 
 
@@ -69,8 +85,9 @@ def _params(root: Path, step: int) -> dict[str, torch.Tensor]:
     return model
 
 
-def test_lora_resume_is_exact(tmp_path: Path) -> None:
-    steps = ("train.steps=4", "checkpoint.interval=2")
+@BASES
+def test_lora_resume_is_exact(tmp_path: Path, base: str) -> None:
+    steps = ("train.steps=4", "checkpoint.interval=2", f"model.lora.base={base}")
     full = _trainer(tmp_path, "full", *steps).train().rows
     stopped = tmp_path / "resumed" / "ckpt"
     stopped.mkdir(parents=True)
