@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
+from primus_v4.models.deepseek_v4.release_base import keep_release_base, release_weights
 from primus_v4.pretrained.load import open_release
 
 ADAPTER_SUFFIXES = ("lora_A", "lora_B", "gate_A", "gate_B", "up_A", "up_B", "down_A", "down_B")
@@ -144,7 +145,8 @@ class _release_base:
 
 class _drawn_base:
     """The random init of a run without model.pretrained: its whole model drawn once from
-    `train.seed` in the run's dtype (the base it trained against), read in float32."""
+    `train.seed` in the run's dtype (the base it trained against; with model.lora.base:
+    release quantized to FP8 / FP4 and decoded, as the run held it), read in float32."""
 
     def __init__(self, cfg: DeepseekV4Config, run: Any) -> None:
         self.cfg, self.run = cfg, run
@@ -157,7 +159,10 @@ class _drawn_base:
             model = model_spec().build(self.cfg)
         model = model.to(dtype).to_empty(device="cpu")
         model.init_weights(self.run.train.seed)
+        if self.run.model.lora.base == "release":  # it trained against the quantized draw
+            keep_release_base(model, self.cfg, dtype=dtype)
         state = model.state_dict()
+        state.update({w.ours: w() for w in release_weights(model)})
 
         def read(names: list[str]) -> dict[str, torch.Tensor]:
             return {n: state[n].float() for n in names}

@@ -46,3 +46,16 @@ def test_lora_on_four_ranks_matches_one_process(reference, parallel: tuple[str, 
     assert [r["step"] for r in resumed] == [3]
     for key in ("loss", "mtp_loss", "aux_loss", "grad_norm"):
         assert resumed[0][key] == got[2][key], key  # same layout, restored state: exact
+
+
+def test_a_base_kept_as_released_on_four_ranks_matches_one_process(tmp_path: Path) -> None:
+    """model.lora.base: release, PP2 x EP2 (DP 2): each rank quantizes its own stage and expert
+    shard of the drawn base (FP4 scales per row, FP8 blocks within a weight), so the layouts
+    hold the same bytes and log the same metrics as one process."""
+    kept = (*LORA, "model.lora.base=release")
+    one = train_metrics(tmp_path / "one", tmp_path, 1, *kept)
+    got = train_metrics(tmp_path / "pp2_ep2", tmp_path, 4, *kept, "parallel.pp=2", "parallel.ep=2")
+    assert [r["step"] for r in got] == [1, 2, 3] and one[2]["loss"] != one[0]["loss"]
+    for a, b in zip(one, got, strict=True):
+        for key in ("loss", "mtp_loss", "aux_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (b["step"], key)

@@ -20,6 +20,7 @@ from pretrained_runs import run_command, train_items, write_pretrained
 from primus_v4.commands import export, train
 from primus_v4.config import load_config
 from primus_v4.models.deepseek_v4.lora import LoraSpec, apply_lora, merged_weights
+from primus_v4.models.deepseek_v4.release_base import release_weights
 from primus_v4.pretrained.load import load_pretrained
 from primus_v4.training.checkpoint import step_dir
 from primus_v4.training.export_lora import is_adapter
@@ -91,10 +92,13 @@ def test_hf_loads_the_merged_export_with_our_logits(exported) -> None:
     assert _rel(got, want) <= REL
 
 
-def test_a_random_init_run_merges_into_its_drawn_base(tmp_path: Path) -> None:
+@pytest.mark.parametrize("base", ["bfloat16", "release"])
+def test_a_random_init_run_merges_into_its_drawn_base(tmp_path: Path, base: str) -> None:
+    """(base release: the drawn base quantized to FP8 / FP4, as the run held it)"""
     from test_train_lora import _trainer
 
-    trainer = _trainer(tmp_path, "run", "train.steps=2", "checkpoint.interval=2", "train.lr=0.05")
+    trainer = _trainer(tmp_path, "run", "train.steps=2", "checkpoint.interval=2", "train.lr=0.05",
+                       f"model.lora.base={base}")  # fmt: skip
     trainer.train()
     model = trainer.model  # the drawn base with the trained adapters
     out = tmp_path / "merged"
@@ -106,6 +110,8 @@ def test_a_random_init_run_merges_into_its_drawn_base(tmp_path: Path) -> None:
     for name, w in merged.items():
         assert torch.equal(written[name], w.to(torch.bfloat16).float()), name
     state = model.state_dict()
+    state.update({w.ours: w() for w in release_weights(model)})
+    assert (len(state) > len(model.state_dict())) == (base == "release")
     untouched = [n for n in written if n not in merged and written[n].is_floating_point()]
     assert untouched
     for n in untouched:  # bf16 kinds rounded, float32 ones (mHC, sinks) as they are
