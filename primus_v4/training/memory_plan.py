@@ -244,9 +244,11 @@ def in_flight(micro_batches: int, pp: int, stage: int) -> int:
 
 def activation_rows(plan: MemoryPlan, cfg: Any, spec: Any, *, seq: int, cp: int, b: int,
                     held: int, supervised_fraction: float = 1.0,
-                    attention_backend: str = "torch") -> None:  # fmt: skip
+                    attention_backend: str = "torch",
+                    head_trains: bool = True) -> None:  # fmt: skip
     """The backward-phase rows of one stage: saved activations of its layers for `held`
-    micro-batches in flight, one layer's backward working set, the head and CE."""
+    micro-batches in flight, one layer's backward working set, the head and CE (a frozen head,
+    as in a LoRA run, makes no fp32 dW)."""
     t = seq // cp
     full_recompute = getattr(cfg, "recompute_granularity", None) == "full"
     chosen = selected(cfg)
@@ -281,15 +283,18 @@ def activation_rows(plan: MemoryPlan, cfg: Any, spec: Any, *, seq: int, cp: int,
     if spec.has_loss:
         calls = 1 + len(spec.mtp_depths)
         v, dim = cfg.vocab_size, cfg.hidden_size
-        saved = head_bytes(cfg, rows=t, b=b) + calls * (t * dim * b + v * dim * 4)
-        plan.add(f"head, CE: {calls} calls save d/dh [T, D] + fp32 dW [V, D] + streams",
-                 held * saved, phase="backward")  # fmt: skip
+        dw = v * dim * 4 if head_trains else 0
+        saved = head_bytes(cfg, rows=t, b=b) + calls * (t * dim * b + dw)
+        what = "d/dh [T, D] + fp32 dW [V, D]" if head_trains else "d/dh [T, D] (head frozen)"
+        plan.add(f"head, CE: {calls} calls save {what} + streams", held * saved,
+                 phase="backward")  # fmt: skip
         rows = max(1, round(t * supervised_fraction))
         chunk = min(cfg.ce_chunk_size, rows)
         # ChunkedLinearCE's loop still holds the previous chunk's [C, V] while the next is made.
         two = 2 if rows > chunk else 1
-        plan.add(f"CE transient: {two} x fp32 logits [{chunk}, V] + dW product",
-                 two * chunk * v * 4 + v * dim * 4, phase="backward")  # fmt: skip
+        product = " + dW product" if dw else ""
+        plan.add(f"CE transient: {two} x fp32 logits [{chunk}, V]{product}",
+                 two * chunk * v * 4 + dw, phase="backward")  # fmt: skip
     plan.notes.append(recompute_note(cfg, layers, seq=seq))
 
 
@@ -359,7 +364,8 @@ def plan_memory(
         activation_rows(plan, cfg, spec, seq=run.cfg.data.seq_length, cp=sizes.cp,
                         b=_dtype_bytes(run), held=in_flight(micro, sizes.pp, spec.index),
                         supervised_fraction=supervised_fraction,
-                        attention_backend=attention_backend)  # fmt: skip
+                        attention_backend=attention_backend,
+                        head_trains=not lora.rank)  # fmt: skip
         plan.attention = f"sparse attention saved as {attention_backend}'s: {why}"
         plans.append(plan)
     return plans
