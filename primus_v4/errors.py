@@ -35,6 +35,12 @@ class PrimusError(Exception):
     exit_code = ExitCode.RUN
 
 
+class UsageError(PrimusError):
+    """Command-line options that cannot go together (argparse checks each one alone)."""
+
+    exit_code = ExitCode.USAGE
+
+
 class ConfigError(PrimusError):
     """A config file, key or value that cannot be used."""
 

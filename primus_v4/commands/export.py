@@ -1,8 +1,10 @@
-"""`primus-v4 export --run DIR [--step N] --out DIR [--dtype bfloat16|fp8]`: a training
-checkpoint (any parallel layout) as a released DeepSeek-V4 checkpoint directory: config.json with
-the release's keys, safetensors shards of bounded size with an index, the tokenizer files. The
-result loads in HF transformers (`from_pretrained(out)`) and serves with vLLM / SGLang
-(`--model out`); `model.pretrained: out` starts another run from it.
+"""`primus-v4 export --run DIR [--step N] --out DIR [--format release|peft] [--dtype ...]`: a
+training checkpoint (any parallel layout) as a released DeepSeek-V4 checkpoint directory:
+config.json with the release's keys, safetensors shards of bounded size with an index, the
+tokenizer files. The result loads in HF transformers (`from_pretrained(out)`) and serves with
+vLLM / SGLang (`--model out`); `model.pretrained: out` starts another run from it. A LoRA run is
+merged into its base; `--format peft` writes its adapters alone, in PEFT's format on
+transformers' module names (`PeftModel.from_pretrained(model, out)`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", required=True, help="output directory (must not exist yet)")
     parser.add_argument(
+        "--format",
+        choices=["release", "peft"],
+        default="release",
+        help="release: the whole model in the release layout (a LoRA run merged into its base); "
+        "peft: a LoRA run's adapters alone, adapter_config.json + adapter_model.safetensors on "
+        "transformers' DeepseekV4ForCausalLM names (default: %(default)s)",
+    )
+    parser.add_argument(
         "--dtype",
         choices=["bfloat16", "fp8"],
-        default="bfloat16",
-        help="bfloat16 weights, or the release's FP8 e4m3 (128x128 ue8m0 block scales) with FP4 "
-        "e2m1 experts (ue8m0 scale per 32 inputs) (default: %(default)s)",
+        default=None,
+        help="release: bfloat16 weights (the default), or the release's FP8 e4m3 (128x128 ue8m0 "
+        "block scales) with FP4 e2m1 experts (ue8m0 scale per 32 inputs); peft: bfloat16 "
+        "adapters (default: as the checkpoint holds them)",
     )
     parser.add_argument(
         "--max-shard-gb",
@@ -54,15 +65,47 @@ def check_out(out: Path) -> None:
         raise PathError(f"--out {out}: {problem}; choose a directory you can write to")
 
 
+def _run_peft(args: argparse.Namespace) -> int:
+    import torch
+
+    from primus_v4.training.export_run import export_adapters, find_source
+
+    source = find_source(args.run, args.step)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+    summary = export_adapters(source, args.out, dtype=dtype)
+    print(
+        json.dumps(
+            {
+                "checkpoint": str(source.checkpoint),
+                "out": str(summary.directory),
+                "format": "peft",
+                "dtype": args.dtype or "as stored",
+                "tensors": summary.tensors,
+                "bytes": summary.total_bytes,
+                "mtp_adapter_tensors_left_out": summary.left_out,
+            }
+        )
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from primus_v4.errors import ConfigError
+    from primus_v4.errors import ConfigError, UsageError
     from primus_v4.training.export_run import export_checkpoint, find_source, release_tensor_count
 
+    if args.format == "peft" and args.dtype == "fp8":
+        raise UsageError(
+            "--dtype fp8 quantizes release weights; --format peft writes adapters (bfloat16, or "
+            "as stored without --dtype)"
+        )
     if not args.max_shard_gb > 0:
         raise ConfigError(f"--max-shard-gb {args.max_shard_gb}: must be > 0 (GiB per shard)")
     check_out(Path(args.out))
+    if args.format == "peft":
+        return _run_peft(args)
+    dtype = args.dtype or "bfloat16"
     source = find_source(args.run, args.step)
     with tqdm(
         total=release_tensor_count(source), desc="exporting", unit="tensor",
@@ -71,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         summary = export_checkpoint(
             source,
             args.out,
-            dtype=args.dtype,
+            dtype=dtype,
             max_shard_bytes=int(args.max_shard_gb * 2**30),
             progress=bar.update,
         )
@@ -80,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
             {
                 "checkpoint": str(source.checkpoint),
                 "out": str(summary.directory),
-                "dtype": args.dtype,
+                "format": "release",
+                "dtype": dtype,
                 "shards": summary.shards,
                 "tensors": summary.tensors,
                 "bytes": summary.total_bytes,

@@ -109,9 +109,7 @@ def merged_state(
     by_group: dict[str, list[str]] = {}
     for name in stored:
         by_group.setdefault(_group_of(name), []).append(name)
-    pretrained = run.model.pretrained
-    base = _release_base(cfg, pretrained) if pretrained else _drawn_base(cfg, run)
-    with base as read:
+    with base_reader(cfg, run) as read:
         for group in groups:
             state = read(group)
             own = load_group(checkpoint, by_group.get(_group_of(group[0]), []), stored)
@@ -119,6 +117,13 @@ def merged_state(
             state.update({n: t for n, t in own.items() if n in state})  # buffers: the run's
             merge_adapters(state, adapters, run.model.lora)
             yield state
+
+
+def base_reader(cfg: DeepseekV4Config, run: Any) -> _release_base | _drawn_base:
+    """`with base_reader(cfg, run) as read:` read(our names) -> the run's base tensors (float32):
+    its model.pretrained release, or the init drawn from its seed."""
+    pretrained = run.model.pretrained
+    return _release_base(cfg, pretrained) if pretrained else _drawn_base(cfg, run)
 
 
 class _release_base:

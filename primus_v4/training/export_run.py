@@ -7,7 +7,9 @@ a time, renamed and reshaped by the name table (state_dict_adapter.py `to_releas
 if asked and written into bounded shards (pretrained/save.py `write_release_state`), so memory
 stays about one layer plus one shard. The checkpoint is verified first, as resume verifies it
 (checkpoint_integrity.problems); its own model_config.json (or, saved without one, its own
-config.yaml) gives the model config; the tokenizer files of the run travel along.
+config.yaml) gives the model config; the tokenizer files of the run travel along. A LoRA run's
+adapters are merged into its base (export_lora.py), or written alone in PEFT's format
+(`export_adapters`, export_peft.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,14 +28,21 @@ from primus_v4.checkpoint_formats.sharded import ExportDtype, WriteSummary, toke
 from primus_v4.config import RunConfig, load_config
 from primus_v4.config.resolve import model_config, tokenizer_of
 from primus_v4.data.tokenizer import resolve_tokenizer_dir
-from primus_v4.errors import CheckpointError, describe_os_error
+from primus_v4.errors import CheckpointError, ConfigError, describe_os_error
 from primus_v4.log import get_logger
 from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.pretrained.save import write_release_state
 from primus_v4.training import checkpoint_integrity as integrity
 from primus_v4.training.checkpoint import check_layout, step_dir
-from primus_v4.training.export_lora import is_adapter, load_group, merged_state
+from primus_v4.training.export_lora import base_reader, is_adapter, load_group, merged_state
+from primus_v4.training.export_peft import (
+    PeftSummary,
+    adapter_config,
+    block_tensors,
+    router_tensors,
+    write_peft,
+)
 from primus_v4.training.run_checkpoints import CONFIG_FILE, MODEL_CONFIG_FILE
 
 log = get_logger(__name__)
@@ -210,6 +220,57 @@ def export_checkpoint(
         raise type(error)(f"export of {source.checkpoint} to {out}: {error}; nothing was left "
                           "there") from exc  # fmt: skip
     log.info("exported %s -> %s (%s, %d shards)", source.checkpoint, out, dtype, summary.shards)
+    return summary
+
+
+def export_adapters(
+    source: ExportSource, out: str | os.PathLike, *, dtype: torch.dtype | None = None
+) -> PeftSummary:
+    """Write the adapters of LoRA checkpoint `source` in PEFT's format at `out` (export_peft.py):
+    one decoder layer read at a time; the MTP blocks' adapters are counted, not written; the
+    routers travel too when the run moved their bias."""
+    lora = source.run.model.lora
+    if not lora.rank:
+        raise ConfigError(
+            f"{source.config_file}: model.lora.rank is 0, so the run trained no adapters; "
+            "--format peft exports a LoRA run's adapters (use --format release)"
+        )
+    cfg = model_config_of(source)
+    stored = _stored_model_tensors(source.checkpoint)
+    _check_adapters(cfg, stored, source.checkpoint)
+    mtp = [n for n in stored if is_adapter(n) and n.startswith("mtp.")]
+    routers = source.run.model.router_bias_update_rate > 0  # the run moved gate.bias
+
+    def wanted(name: str) -> bool:
+        return is_adapter(name) or (routers and ".moe.router." in name)
+
+    def layers() -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        with base_reader(cfg, source.run) if routers else nullcontext() as read:
+            for group in _groups([n for n in stored if n.startswith("layers.") and wanted(n)]):
+                index = int(group[0].split(".")[1])
+                prefix = f"layers.{index}."
+                own = load_group(source.checkpoint, group, stored)
+                if read is not None:  # the router's weight is the base's (frozen)
+                    own |= read([f"{prefix}moe.router.weight"])
+                own = {n.removeprefix(prefix): t for n, t in own.items()}
+                tensors = block_tensors(
+                    {n: t for n, t in own.items() if is_adapter(n)}, lora.targets,
+                    cfg.num_moe_experts,
+                )  # fmt: skip
+                yield index, tensors | router_tensors(own)
+
+    config = adapter_config(lora, cfg.o_groups, source.run.model.pretrained, routers)
+    tokenizer = tokenizer_files(resolve_tokenizer_dir(tokenizer_of(source.run)))
+    try:
+        summary = write_peft(
+            out, layers(), config, dtype=dtype, extra_files=tokenizer, left_out=len(mtp)
+        )
+    except OSError as exc:
+        error = describe_os_error(exc, "cannot write")
+        raise type(error)(f"export of {source.checkpoint} to {out}: {error}; nothing was left "
+                          "there") from exc  # fmt: skip
+    log.info("exported the adapters of %s -> %s (PEFT, %d tensors; %d MTP adapter tensors left "
+             "out)", source.checkpoint, out, summary.tensors, summary.left_out)  # fmt: skip
     return summary
 
 

@@ -344,6 +344,16 @@ def _(ws: Ws):
     yield _export(ws, ws.tmp, "--dtype", "fp4")
 
 
+@case("export: --format peft with --dtype fp8", ExitCode.USAGE, "--format peft writes adapters")
+def _(ws: Ws):
+    yield _export(ws, ws.ck(), "--format", "peft", "--dtype", "fp8")
+
+
+@case("export: --format peft of a run without LoRA", ExitCode.CONFIG, "model.lora.rank is 0")
+def _(ws: Ws):
+    yield _export(ws, ws.ck(), "--format", "peft")
+
+
 @case("export: --max-shard-gb out of range", ExitCode.CONFIG, "--max-shard-gb 0.0: must be > 0")
 def _(ws: Ws):
     yield _export(ws, ws.ck(), "--max-shard-gb", "0")
