@@ -159,6 +159,7 @@ def test_lora_section_commands_run(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main([*train[1:], "--dry-run"]) == 0
     cfg = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert cfg["model"]["lora"]["rank"] == 16 and cfg["model"]["lora"]["alpha"] == 32
+    assert cfg["model"]["lora"]["base"] == "release"
     launches = [c for c in commands if "bash" in c]
     assert len(launches) == 2
     release = _flash_release(tmp_path)
@@ -172,5 +173,8 @@ def test_lora_section_commands_run(tmp_path: Path, capsys: pytest.CaptureFixture
         assert r["lora"]["rank"] == 16 and r["pretrained"] == str(release)
         assert r["seq_length"] == int(env.get("PRIMUS_SEQ_LENGTH", 4096))
         run_dirs.append(Path(r["output_dir"]))
-    [export] = [c for c in commands if c[:2] == ["primus-v4", "export"]]
-    assert REPO / build_parser().parse_args(export[1:]).run == run_dirs[0]  # the 4k run
+    exports = [
+        build_parser().parse_args(c[1:]) for c in commands if c[:2] == ["primus-v4", "export"]
+    ]
+    assert sorted(e.format for e in exports) == ["peft", "release"]
+    assert all(REPO / e.run == run_dirs[0] for e in exports)  # the 4k run
