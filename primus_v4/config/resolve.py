@@ -321,7 +321,10 @@ def check_pretrained(cfg: RunConfig, model: DeepseekV4Config) -> None:
     from primus_v4.pretrained.load import check_release
 
     try:
-        check_release(cfg.model.pretrained, model)
+        lora = cfg.model.lora
+        check_release(
+            cfg.model.pretrained, model, keep_release=lora.rank > 0 and lora.base == "release"
+        )
     except CheckpointFormatError as exc:
         raise CheckpointFormatError(f"model.pretrained={cfg.model.pretrained}: {exc}") from None
     except OSError as exc:

@@ -118,6 +118,11 @@ class LoraConfig:
         _require(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
         _require(0.0 <= self.dropout < 1.0, "model.lora.dropout",
                  f"must be in [0, 1), got {self.dropout}")  # fmt: skip
+        indexer = sorted(t for t in self.targets if t.startswith("indexer"))
+        _require(not indexer, "model.lora.targets",
+                 f"{indexer}: the indexer only picks which compressed keys a query attends to "
+                 "(a top-k, no gradient passes it), so adapters there could not learn; it stays "
+                 "frozen")  # fmt: skip
         unknown = sorted(set(self.targets) - set(LORA_TARGETS))
         _require(not unknown, "model.lora.targets",
                  f"unknown {unknown}; choose from {list(LORA_TARGETS)}")  # fmt: skip

@@ -98,12 +98,24 @@ def check_consumed(reader: CheckpointReader, cfg: DeepseekV4Config) -> None:
         )
 
 
-def check_release(directory: str | os.PathLike, cfg: DeepseekV4Config) -> None:
+def check_release(
+    directory: str | os.PathLike, cfg: DeepseekV4Config, *, keep_release: bool = False
+) -> None:
     """A release directory a run can load: its index, every shard's header and byte ranges
-    (a missing or truncated shard), and its tensor names and shapes against `cfg`. Reads no
+    (a missing or truncated shard), and its tensor names and shapes against `cfg`; with
+    `keep_release`, that every weight the release format quantizes is stored FP8 / FP4. Reads no
     tensor, so a run (and `--dry-run`) refuses a broken release in seconds, not after start-up."""
     with open_release(directory) as reader:
         check_consumed(reader, cfg)
+        if keep_release:
+            for name, r in adapter.release_tensors(cfg).items():
+                stored = reader.storage(name)
+                if r.kind in ("fp8", "fp4") and stored not in ("fp8", "fp4"):
+                    raise CheckpointFormatError(
+                        f"'{name}' is stored as {stored}, not FP8 / FP4, so model.lora.base: "
+                        "release has no release bytes to keep; use model.lora.base: bfloat16 "
+                        "(or an FP8 release)"
+                    )
 
 
 @dataclass(kw_only=True, frozen=True)

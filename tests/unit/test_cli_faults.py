@@ -190,6 +190,25 @@ def _(ws: Ws):
     yield ["train", "--dry-run", "--set", "steps"]
 
 
+@case("train: LoRA on the indexer", ExitCode.CONFIG, "no gradient passes it")
+def _(ws: Ws):
+    yield ["train", "--dry-run", "--set", "model.lora.rank=4",
+           "--set", "model.lora.targets=[wq_a,indexer.wq_b]"]  # fmt: skip
+
+
+@case("train: LoRA base unknown", ExitCode.CONFIG, "model.lora.base")
+def _(ws: Ws):
+    yield ["train", "--dry-run", "--set", "model.lora.rank=4", "--set", "model.lora.base=fp8"]
+
+
+@case("train: LoRA base as released from an unquantized release", ExitCode.PRETRAINED,
+      "is stored as fp32, not FP8 / FP4")  # fmt: skip
+def _(ws: Ws):
+    sets = ["model.preset=null", "model.lora.rank=4", "model.lora.base=release",
+            f"model.pretrained={ws.release()}"]  # fmt: skip
+    yield ["train", "--dry-run", *(a for s in sets for a in ("--set", s))]
+
+
 @case("train: model override out of range", ExitCode.CONFIG, "num_layers: must be an integer")
 def _(ws: Ws):
     yield ["train", "--dry-run", "--set", "model.overrides.num_layers=0"]

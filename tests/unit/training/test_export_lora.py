@@ -117,3 +117,34 @@ def test_a_random_init_run_merges_into_its_drawn_base(tmp_path: Path, base: str)
     for n in untouched:  # bf16 kinds rounded, float32 ones (mHC, sinks) as they are
         w, want = written[n], state[n].float()
         assert torch.equal(w, want) or torch.equal(w, want.to(torch.bfloat16).float()), n
+
+
+@torch.no_grad()
+def test_fp8_merged_export_quantizes_the_float32_merge(exported, tmp_path: Path) -> None:
+    """--dtype fp8: each adapted FP8 / FP4 weight is quantized from W + s B A in float32 (not
+    from its bf16 rounding), the release's bytes and scales."""
+    from primus_v4.checkpoint_formats.fp8_fp4 import quantize_fp4, quantize_fp8
+    from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
+    from primus_v4.pretrained.load import open_release, read_config
+
+    release, run, _ = exported
+    out = tmp_path / "merged_fp8"
+    assert run_command(export, [], ("--run", str(run), "--out", str(out), "--dtype", "fp8",
+                                    "--no-progress")) == 0  # fmt: skip
+    cfg = read_config(release)
+    kinds = {n: r.kind for n, r in adapter.release_tensors(cfg).items()}
+    merged = merged_weights(_trained_lora(release, run))
+    checked = {"fp8": 0, "fp4": 0}
+    with open_release(out) as reader:
+        for name, part in adapter.to_release(cfg, merged):
+            kind = kinds[name]
+            if kind not in checked:
+                continue
+            q, s = (quantize_fp8 if kind == "fp8" else quantize_fp4)(part.contiguous())
+            codes = torch.empty(q.shape, dtype=torch.uint8)
+            scales = torch.empty(s.shape, dtype=torch.uint8)
+            assert reader.read_stored_into(name, codes, scales) == kind
+            assert torch.equal(codes, q.view(torch.uint8)), name
+            assert torch.equal(scales, s.view(torch.uint8)), name
+            checked[kind] += 1
+    assert checked["fp8"] > 10 and checked["fp4"] > 10
