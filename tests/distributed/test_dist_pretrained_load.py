@@ -161,3 +161,47 @@ def test_export_of_the_pp2_ep2_checkpoint_is_the_release_again(
             if src.storage(name) in ("fp8", "fp4", "bf16"):
                 want = want.to(torch.bfloat16)
             assert torch.equal(got.read(name), want), name
+
+
+def _load_rank_kept(rank: int, world: int, directory: str) -> dict:
+    """As `_load_rank`, with the base kept as released (model.lora.base: release): the stage's
+    FP8 / FP4 weights are read undecoded into their byte buffers."""
+    from primus_v4.models.deepseek_v4 import DeepseekV4Model
+    from primus_v4.models.deepseek_v4.release_base import keep_release_base, release_weights
+
+    ctx = init_parallel(ParallelDims(world=world, pp=2, ep=2), backend="gloo")
+    try:
+        cfg = read_config(directory)
+        with torch.device("meta"):
+            full = DeepseekV4Model(cfg)
+        loads = []
+        done = parallelize(
+            full, ctx, pp_layout=None, packed=True, device=torch.device("cpu"), seed=0,
+            weights=lambda m: loads.append(load_rank_weights(m, directory)),
+            prepare=lambda m: keep_release_base(m, cfg, dtype=torch.float32),
+        )  # fmt: skip
+        kept = {w.ours: w() for w in release_weights(done.model)}
+        return {"ep": ctx.ep.rank, "kept": kept, "state": done.model.state_dict(),
+                "bytes_read": loads[0].bytes_read}  # fmt: skip
+    finally:
+        destroy_parallel()
+
+
+def test_pp2_ep2_ranks_keep_their_slice_as_released(fp8_release: Path, loaded) -> None:
+    """Each rank's kept weights decode to its slice of the one-process decoded model (experts:
+    its half), the rest of its state is as loaded decoded, and it reads the same stored bytes."""
+    ranks = run_ranks(_load_rank_kept, 4, str(fp8_release), timeout_s=180)
+    ref = load_pretrained(fp8_release, dtype=torch.float32, progress=False).state_dict()
+    local = read_config(fp8_release).num_moe_experts // 2
+    covered: set[str] = set()
+    for r, d in zip(ranks, loaded[0], strict=True):
+        assert r["ep"] == d["ep"] and r["bytes_read"] == d["bytes_read"]
+        assert r["kept"] and r["state"].keys() == d["state"].keys() - r["kept"].keys()
+        for name, value in r["kept"].items():
+            want = ref[name]
+            if name.endswith(("w_gate_up", "w_down")):
+                want = want[r["ep"] * local : (r["ep"] + 1) * local]
+            assert torch.equal(value, want), (r["ep"], name)
+            covered.add(name)
+        assert all(torch.equal(v, d["state"][k]) for k, v in r["state"].items())
+    assert any(n.endswith("w_gate_up") for n in covered) and any(".wq_a." in n for n in covered)
