@@ -68,18 +68,23 @@ def run_recipe(script: str, tmp_path: Path, timeout: float = 120, **env: str) ->
 
 
 def sparse_release(directory, cfg) -> None:
-    """A release directory of `cfg` whose one shard holds a real header (every release tensor's
-    name, shape and byte range, as bf16) over a sparse file: validation reads the header and the
-    size, never the data, so Flash's ~580 GB take no disk."""
+    """A release directory of `cfg` whose one shard holds a real header (every tensor the FP8
+    release stores, FP8 / FP4 weights with their ue8m0 scales: name, dtype, shape and byte
+    range) over a sparse file: validation reads the header and the size, never the data, so
+    Flash's ~160 GB take no disk."""
     import json
 
-    from primus_v4.models.deepseek_v4.state_dict_adapter import config_to_release, release_tensors
+    import torch
 
+    from primus_v4.models.deepseek_v4.state_dict_adapter import config_to_release, stored_tensors
+
+    codes = {torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.float8_e8m0fnu: "F8_E8M0",
+             torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64"}  # fmt: skip
     directory.mkdir()
     header, offset = {}, 0
-    for name, tensor in release_tensors(cfg).items():
-        size = 2 * math.prod(tensor.shape)
-        header[name] = {"dtype": "BF16", "shape": list(tensor.shape),
+    for name, (shape, dtype) in stored_tensors(cfg).items():
+        size = dtype.itemsize * math.prod(shape)
+        header[name] = {"dtype": codes[dtype], "shape": list(shape),
                         "data_offsets": [offset, offset + size]}  # fmt: skip
         offset += size
     blob = json.dumps(header).encode()
