@@ -244,11 +244,12 @@ def in_flight(micro_batches: int, pp: int, stage: int) -> int:
 
 def activation_rows(plan: MemoryPlan, cfg: Any, spec: Any, *, seq: int, cp: int, b: int,
                     held: int, supervised_fraction: float = 1.0,
-                    attention_backend: str = "torch",
-                    head_trains: bool = True) -> None:  # fmt: skip
+                    attention_backend: str = "torch", head_trains: bool = True,
+                    experts_rebuilt: bool = False) -> None:  # fmt: skip
     """The backward-phase rows of one stage: saved activations of its layers for `held`
     micro-batches in flight, one layer's backward working set, the head and CE (a frozen head,
-    as in a LoRA run, makes no fp32 dW)."""
+    as in a LoRA run, makes no fp32 dW). `experts_rebuilt`: the routed experts run inside a
+    checkpoint (a LoRA base kept as released), saving only their dispatched input."""
     t = seq // cp
     full_recompute = getattr(cfg, "recompute_granularity", None) == "full"
     chosen = selected(cfg)
@@ -260,6 +261,9 @@ def activation_rows(plan: MemoryPlan, cfg: Any, spec: Any, *, seq: int, cp: int,
         parts = saved_parts(cfg, layer, rows=t, seq=seq, b=b, attention_backend=attention_backend)
         full.append(sum(parts.values()))
         kept_.append(kept(parts, chosen))
+        if experts_rebuilt and "moe" not in chosen:  # only x [rows x top-k, D] stays
+            routed_in = t * cfg.moe_router_topk * cfg.hidden_size * b
+            kept_[-1] -= max(parts.get("experts", 0.0) - routed_in, 0.0)
         each = t * cfg.hc_mult * cfg.hidden_size * b if full_recompute else kept_[-1]
         kind = "mtp" if layer is None else cfg.layer_kind(layer)
         by_kind.setdefault(kind, []).append(each)
@@ -365,7 +369,8 @@ def plan_memory(
                         b=_dtype_bytes(run), held=in_flight(micro, sizes.pp, spec.index),
                         supervised_fraction=supervised_fraction,
                         attention_backend=attention_backend,
-                        head_trains=not lora.rank)  # fmt: skip
+                        head_trains=not lora.rank,
+                        experts_rebuilt=bool(lora.rank) and lora.base == "release")  # fmt: skip
         plan.attention = f"sparse attention saved as {attention_backend}'s: {why}"
         plans.append(plan)
     return plans

@@ -98,3 +98,42 @@ def test_the_plan_counts_what_each_layer_saves(dtype, modules) -> None:
         # The plan rounds a few small float32 per-row tensors (mHC coefficients, router
         # scores): 5% of a tiny layer, under 1% of a Flash one (bench_activation_width.py).
         assert planned == pytest.approx(measured[kind], rel=0.05), kind
+
+
+def test_a_base_kept_as_released_saves_only_the_experts_input() -> None:
+    """LoRA on the base kept as released (bf16): the routed experts run inside a checkpoint, so
+    the plan keeps only their dispatched input ([rows x top-k, D]); against the saved-tensor
+    measurement of that model, per layer kind, and below the plain LoRA model's."""
+    from primus_v4.config.schema import LORA_DEFAULT_TARGETS
+    from primus_v4.models.deepseek_v4.lora import LoraSpec, apply_lora
+    from primus_v4.models.deepseek_v4.release_base import keep_release_base
+
+    cfg = DeepseekV4Config.preset("tiny", vocab_size=512)
+    seq, ids = 256, torch.randint(1, 512, (1, 256))
+    cu = torch.tensor([0, seq], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=seq, max_seqlen_kv=seq)  # fmt: skip
+    measured = {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model = DeepseekV4Model(cfg).to(torch.bfloat16)
+        if keep:
+            keep_release_base(model, cfg, dtype=torch.bfloat16)
+        apply_lora(model, LoraSpec(rank=8, alpha=16.0, targets=LORA_DEFAULT_TARGETS), seed=0)
+        with SavedBytes(model, cfg) as saved:
+            model(ids, packed_seq_params=psp, labels=ids, loss_mask=torch.ones(1, seq))
+        measured[keep] = saved.by_kind()
+    plan = {}
+    for rebuilt in (False, True):
+        run = resolve_run(load_config(overrides=[f"data.seq_length={seq}", "model.dtype=bfloat16",
+                                                 "model.overrides.vocab_size=512",
+                                                 "model.lora.rank=8", "model.lora.base="
+                                                 + ("release" if rebuilt else "bfloat16")]),
+                          world=1)  # fmt: skip
+        (p,) = plan_memory(run)
+        plan[rebuilt] = {name.split(":")[0]: d for name, d, _, _ in p.rows if "layers:" in name}
+    for kind in ("dense", "csa", "hca"):
+        row = f"1 {kind} layers"
+        assert plan[True][row] < plan[False][row]
+        assert measured[True][kind] < measured[False][kind]
+        assert plan[True][row] == pytest.approx(measured[True][kind], rel=0.05), kind
