@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from primus_v4.training.saved_bytes import SavedBytes
+from primus_v4.memory.saved_bytes import SavedBytes
 
 aten = torch.ops.aten
 GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -161,7 +161,7 @@ def step(model, cfg, batch, *, gemm: str, backward: bool = True) -> tuple[SavedB
 
 
 def layer_table(saved: SavedBytes, cfg, seq: int) -> dict[str, float]:
-    from primus_v4.training.memory_plan import saved_parts
+    from primus_v4.memory.plan import saved_parts
 
     measured: dict[str, float] = defaultdict(float)
     for (kind, _), b in saved.bytes.items():
@@ -243,8 +243,8 @@ def _set_recompute(model, modules: frozenset[str]) -> None:
 def recompute_table(model, cfg, batch, seq: int, gemm: str | None) -> None:
     """Per choice and layer kind: saved bytes it drops (planned; measured with `--recompute`)
     and the forward FLOPs it repeats, against the layer's step FLOPs without recompute."""
-    from primus_v4.training.activation_plan import kept, layer_flops, recompute_flops, step_flops
-    from primus_v4.training.memory_plan import cfg_kind, saved_parts
+    from primus_v4.memory.activations import kept, layer_flops, recompute_flops, step_flops
+    from primus_v4.memory.plan import cfg_kind, saved_parts
 
     layers = {cfg.layer_kind(i): i for i in range(cfg.num_layers)} | {"mtp": None}
     parts = {k: saved_parts(cfg, i, rows=seq, seq=seq, b=2) for k, i in layers.items()}
@@ -276,8 +276,8 @@ def recompute_table(model, cfg, batch, seq: int, gemm: str | None) -> None:
 def peak_table(model, cfg, seq: int, peak: int) -> None:
     """The plan's backward phase of this one-stage, one-micro-batch step (the optimizer's
     buffers aside, as the step frees each gradient in its hook)."""
+    from primus_v4.memory.plan import MemoryPlan, activation_rows
     from primus_v4.parallel.pipeline_layout import plan_stages
-    from primus_v4.training.memory_plan import MemoryPlan, activation_rows
 
     (spec,) = plan_stages(pp=1, num_layers=cfg.num_layers, mtp_num_layers=cfg.mtp_num_layers)
     plan = MemoryPlan(stage=0)

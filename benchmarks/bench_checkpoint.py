@@ -60,7 +60,7 @@ def _write_synthetic(directory: Path, config: dict) -> dict:
     import torch
 
     from primus_v4.checkpoint_formats.sharded import write_checkpoint
-    from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
+    from primus_v4.models.deepseek_v4.release import state_dict_adapter as adapter
 
     cfg = adapter.config_from_release(config)
     table = adapter.release_tensors(cfg)
@@ -108,7 +108,7 @@ def _child_floor_load(directory: str) -> dict:
 def _child_load(directory: str) -> dict:
     import torch
 
-    from primus_v4.pretrained.load import load_pretrained
+    from primus_v4.models.deepseek_v4.release.load import load_pretrained
 
     base = _rss_bytes()
     start = time.perf_counter()
@@ -121,7 +121,7 @@ def _child_load(directory: str) -> dict:
 def _child_export(directory: str, scratch: str) -> dict:
     import torch
 
-    from primus_v4.pretrained.load import load_pretrained, save_pretrained
+    from primus_v4.models.deepseek_v4.release.load import load_pretrained, save_pretrained
 
     model = load_pretrained(directory, dtype=torch.bfloat16, progress=False)
     out: dict = {}
@@ -181,7 +181,7 @@ def _encode_only(model) -> tuple[float, float]:
     """(wall, CPU) seconds of the fp8 export's encoding pipeline alone (the same worker threads
     quantizing every tensor, their results dropped): the export's compute floor."""
     from primus_v4.checkpoint_formats.sharded import _encoded
-    from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
+    from primus_v4.models.deepseek_v4.release import state_dict_adapter as adapter
 
     kinds = {r.name: r.kind for r in adapter.release_tensors(model.cfg).values()}
     start, cpu = time.perf_counter(), time.process_time()

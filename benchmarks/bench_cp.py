@@ -71,7 +71,7 @@ def child(s: int, ce_chunk: int, out_dir: Path) -> None:
     import torch.distributed as dist
 
     from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
-    from primus_v4.models.deepseek_v4.cp_batch import required_local_rows, shard_batch
+    from primus_v4.models.deepseek_v4.infra.cp_batch import required_local_rows, shard_batch
     from primus_v4.models.deepseek_v4.layout import LocalComm
     from primus_v4.parallel.context_parallel import CpComm
 

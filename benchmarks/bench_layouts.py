@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from primus_v4.config import load_config, resolve_run
-from primus_v4.training.metrics import StepMetrics
+from primus_v4.training.metrics.writer import StepMetrics
 from primus_v4.training.trainer import Trainer
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "alpaca_demo.json"

@@ -62,7 +62,7 @@ def run(tmp: Path, name: str, steps: int, seq: int, packs: int, lr: float, rank:
 def base(tmp: Path, args: argparse.Namespace) -> tuple[Path, Path, list[float]]:
     """The tiny model trained `--base-steps` on the Alpaca demo corpus, exported as a bf16 and an
     FP8 / FP4 release (with the bundled tokenizer's files)."""
-    from primus_v4.training.export_run import export_checkpoint, find_source
+    from primus_v4.export.run import export_checkpoint, find_source
 
     trainer, curve, *_ = run(
         tmp, "base", args.base_steps, args.seq, args.packs, args.base_lr, 0,
@@ -81,8 +81,8 @@ def survival(model) -> dict[str, tuple[float, float, int]]:
     """Per format (fp8: the 2-D attention / shared weights, fp4: the routed experts): the share
     of the merged update's norm that survives quantization, and the relative error of it."""
     from primus_v4.checkpoint_formats import fp8_fp4 as q
+    from primus_v4.models.common.kept_base import release_weights
     from primus_v4.models.deepseek_v4.lora import merged_weights
-    from primus_v4.models.deepseek_v4.release_base import release_weights
 
     state = model.state_dict()
     state.update({w.ours: w() for w in release_weights(model)})  # a base kept as released

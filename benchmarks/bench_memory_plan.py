@@ -10,7 +10,7 @@ fraction (the rows the LM head sees), is printed beside it.
 
     python benchmarks/bench_memory_plan.py   # the comparison table
 
-The activation terms are counted from the code (training/activation_plan.py); at Flash width
+The activation terms are counted from the code (memory/activations.py); at Flash width
 they are measured by benchmarks/bench_activation_width.py.
 """
 
@@ -64,7 +64,7 @@ _LIBC.mallinfo2.restype = _Mallinfo2
 
 def _sampled(trainer, peak: list[int]) -> None:
     """Sample the in-use bytes at every point where the peak can sit (see the docstring)."""
-    import primus_v4.models.deepseek_v4.linear_ce as loss
+    import primus_v4.kernels.linear_ce as loss
 
     def sample(*_args, **_kwargs) -> None:
         peak[0] = max(peak[0], _in_use())
@@ -124,7 +124,7 @@ def measured(items: list[str], world: int) -> tuple[int, float]:
 
 def planned(items: list[str], world: int, supervised: float) -> float:
     from primus_v4.config import load_config, resolve_run
-    from primus_v4.training.memory_plan import plan_memory
+    from primus_v4.memory.plan import plan_memory
 
     run = resolve_run(load_config(overrides=items), world=world)
     plans = plan_memory(run, supervised_fraction=supervised)

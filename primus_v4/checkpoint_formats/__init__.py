@@ -3,4 +3,4 @@
 format itself) and their FP8 e4m3 (128x128 ue8m0 block scales) / FP4 e2m1 (ue8m0 scale per 32
 inputs) codec (`fp8_fp4`, with the bf16 quantizer's native pass in `native_quant` +
 `quant_bf16.c`). Which tensor is which, and how a model's state dict maps onto the stored names,
-is the model's state-dict adapter (models/deepseek_v4/state_dict_adapter.py)."""
+is the model's state-dict adapter (models/deepseek_v4/release/state_dict_adapter.py)."""

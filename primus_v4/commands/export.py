@@ -68,7 +68,7 @@ def check_out(out: Path) -> None:
 def _run_peft(args: argparse.Namespace) -> int:
     import torch
 
-    from primus_v4.training.export_run import export_adapters, find_source
+    from primus_v4.export.run import export_adapters, find_source
 
     source = find_source(args.run, args.step)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from primus_v4.errors import ConfigError, UsageError
-    from primus_v4.training.export_run import export_checkpoint, find_source, release_tensor_count
+    from primus_v4.export.run import export_checkpoint, find_source, release_tensor_count
 
     if args.format == "peft" and args.dtype == "fp8":
         raise UsageError(

@@ -109,10 +109,11 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_run(args: argparse.Namespace) -> int:
-    from primus_v4.models.deepseek_v4 import DeepseekV4Config, param_counts
+    from primus_v4.models import preset_spec
 
-    cfg = DeepseekV4Config.preset(args.preset)
-    counts = param_counts(cfg)
+    spec = preset_spec(args.preset)
+    cfg = spec.config_class.preset(args.preset)
+    counts = spec.param_counts(cfg)
     kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
     if args.json:
         print(json.dumps({"preset": args.preset, "layer_kinds": kinds, **counts}))
@@ -154,9 +155,10 @@ def _presets_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _presets_run(args: argparse.Namespace) -> int:
     from primus_v4.config.loader import RUNS_DIR, bundled_run_configs
-    from primus_v4.models.deepseek_v4.config import PRESET_DIR
+    from primus_v4.models import PRESET_DIR
+    from primus_v4.models import presets as model_presets
 
-    presets = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    presets = sorted(model_presets())
     runs = bundled_run_configs()
     if args.json:
         print(json.dumps({"model_presets": presets, "run_configs": runs}))
@@ -208,7 +210,7 @@ def _checkpoint_run(args: argparse.Namespace) -> int:
 
 def _checkpoint_entry(path: Path, *, verify: bool) -> dict:
     from primus_v4.data.cache import dir_bytes
-    from primus_v4.training import checkpoint_integrity as integrity
+    from primus_v4.training.checkpoint import integrity
 
     files = sum(1 for p in path.rglob("*") if p.is_file())
     if not integrity.is_complete(path):
@@ -235,8 +237,8 @@ def _memory_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _memory_run(args: argparse.Namespace) -> int:
     from primus_v4.config import load_config, resolve_run
-    from primus_v4.training.memory_gate import parse_device, report
-    from primus_v4.training.memory_plan import plan_memory
+    from primus_v4.memory.gate import parse_device, report
+    from primus_v4.memory.plan import plan_memory
 
     device, gib = parse_device(args.device_memory)
     run = resolve_run(load_config(args.config, overrides=args.set), world=args.world_size)

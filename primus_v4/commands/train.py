@@ -5,7 +5,7 @@ Without --config the shipped default (primus_v4/configs/runs/tiny_cpu_thd.yaml) 
 parallel sizes against WORLD_SIZE, the model preset and its overrides, paths) and prints the
 resolved config as one single-line JSON object on stdout. With --device-memory (and at every real
 launch on an accelerator, with its own memory) the per-rank memory plan is printed on stderr and the
-run stops with one line when a pipeline stage does not fit (training/memory_gate.py).
+run stops with one line when a pipeline stage does not fit (memory/gate.py).
 """
 
 from __future__ import annotations
@@ -98,18 +98,18 @@ def _resumes(cfg: Any) -> bool:
     """Whether the run will resume a checkpoint of its own (one complete checkpoint is there)."""
     from pathlib import Path
 
-    from primus_v4.training.checkpoint_integrity import complete_checkpoints
+    from primus_v4.training.checkpoint.integrity import complete_checkpoints
 
     ck = cfg.checkpoint
     return bool(ck.dir and ck.resume and complete_checkpoints(Path(ck.dir)))
 
 
 def _memory_gate(resolved: Any, args: argparse.Namespace) -> int:
-    """Plan and gate (training/memory_gate.py); 3 when a stage does not fit. Every rank checks
+    """Plan and gate (memory/gate.py); 3 when a stage does not fit. Every rank checks
     (each must stop), rank 0 prints the plan and the one-line reason on stderr."""
     import os
 
-    from primus_v4.training import memory_gate
+    from primus_v4.memory import gate as memory_gate
 
     if args.device_memory is not None:
         device = memory_gate.parse_device(args.device_memory)
@@ -130,7 +130,7 @@ def execute(trainer: Any) -> int:
     """Train, print the summary (rank 0), and say how a preempted run continues; exit status:
     0 when the run finished or saved a checkpoint to resume from, 128 + the signal's number when
     a signal stopped it before anything was saved (a scheduler must not see success)."""
-    from primus_v4.training.metrics import format_table
+    from primus_v4.training.metrics.writer import format_table
 
     try:
         result = trainer.train()

@@ -10,7 +10,7 @@ from primus_v4.config.loader import (
     to_dict,
     write_resolved,
 )
-from primus_v4.config.resolve import ParallelSizes, ResolvedRun, resolve_run
+from primus_v4.config.resolve import ResolvedRun, resolve_run
 from primus_v4.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -30,7 +30,6 @@ __all__ = [
     "OptimConfig",
     "OutputConfig",
     "ParallelConfig",
-    "ParallelSizes",
     "ResolvedRun",
     "RunConfig",
     "TrainConfig",

@@ -17,24 +17,11 @@ from typing import TYPE_CHECKING, Any
 from primus_v4.config.schema import RunConfig
 from primus_v4.data.pipeline import PackSpec
 from primus_v4.errors import CheckpointFormatError, ConfigError, DataError
-from primus_v4.parallel.pipeline_layout import plan_stages
+from primus_v4.models import DEFAULT_FAMILY, model_spec, presets, release_family, spec_of
+from primus_v4.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
-    from primus_v4.models.deepseek_v4.config import DeepseekV4Config
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelSizes:
-    """Every group size of the run, derived from the world size and `parallel.*`."""
-
-    world: int
-    pp: int
-    cp: int
-    ep: int
-    dp: int
-    edp: int
-    num_micro_batches: int
-    """Micro-batches each data-parallel rank runs per optimizer step."""
+    from primus_v4.models.model_spec import ModelSpec
 
 
 def world_size_from_env() -> int:
@@ -48,32 +35,21 @@ def world_size_from_env() -> int:
     return world
 
 
-def parallel_sizes(cfg: RunConfig, world: int) -> ParallelSizes:
-    """Derive dp/edp/micro-batches; errors name the numbers that disagree."""
+def parallel_sizes(cfg: RunConfig, world: int) -> ParallelDims:
+    """The run's group sizes (`ParallelDims` derives and checks dp and expert-dp: the one place
+    that rule is written) and the batch they must divide; errors name the numbers that
+    disagree."""
     if not isinstance(world, int) or world < 1:
         raise ConfigError(f"world size {world!r} (WORLD_SIZE or --world-size {world}) must be >= 1")
     p = cfg.parallel
-    if world % (p.pp * p.cp):
-        raise ConfigError(
-            f"world size {world} is not divisible by parallel.pp x parallel.cp = "
-            f"{p.pp} x {p.cp} = {p.pp * p.cp} (world = pp x cp x dp)"
-        )
-    dp = world // (p.pp * p.cp)
-    if (dp * p.cp) % p.ep:
-        raise ConfigError(
-            f"parallel.ep={p.ep} must divide dp x cp = {dp} x {p.cp} = {dp * p.cp} (world {world} "
-            f"/ pp {p.pp}): expert ranks are laid out as edp x ep x pp, independent of cp"
-        )
-    edp = world // (p.pp * p.ep)
+    dims = ParallelDims(world=world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp)
     gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    if gbs % (mbs * dp):
+    if gbs % (mbs * dims.dp):
         raise ConfigError(
             f"train.global_batch_size={gbs} must be divisible by train.micro_batch_size x dp = "
-            f"{mbs} x {dp} = {mbs * dp}"
+            f"{mbs} x {dims.dp} = {mbs * dims.dp}"
         )
-    return ParallelSizes(
-        world=world, pp=p.pp, cp=p.cp, ep=p.ep, dp=dp, edp=edp, num_micro_batches=gbs // (mbs * dp)
-    )
+    return dims
 
 
 # Model sizes that must be positive integers: a 0 or a negative one otherwise ends in a division
@@ -88,18 +64,48 @@ POSITIVE_SIZES = (
 NON_NEGATIVE_SIZES = ("mtp_num_layers", "num_hash_layers", "qk_pos_emb_head_dim")
 
 
-def _model_defaults(cls: Any, preset: str | None) -> dict[str, Any]:
+def _model_defaults(spec: ModelSpec, preset: str | None) -> dict[str, Any]:
     """The value each model field has before overrides: the preset file's, else the default."""
     import yaml
 
-    from primus_v4.models.deepseek_v4.config import PRESET_DIR
-
-    fields = dataclasses.fields(cls)
+    fields = dataclasses.fields(spec.config_class)
     out = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
-    path = PRESET_DIR / f"{preset}.yaml" if preset is not None else None
+    path = spec.preset_dir / f"{preset}.yaml" if preset is not None else None
     if path is not None and path.is_file():
         out.update(yaml.safe_load(path.read_text()) or {})
+        out.pop("family", None)
     return out
+
+
+def model_family(cfg: RunConfig) -> str:
+    """The run's model family: the release's config.json `model_type` with `model.pretrained`,
+    else `model.family`; both given must agree."""
+    named = cfg.model.family
+    if cfg.model.pretrained is None:
+        preset = cfg.model.preset or "tiny"
+        found = presets().get(preset, named or DEFAULT_FAMILY)
+        if named is not None and named != found:
+            raise ConfigError(
+                f"model.family: {named!r} conflicts with model.preset={preset!r} (a {found!r} "
+                "preset); drop model.family or pick a preset of that family"
+            )
+        return found
+    try:
+        found = release_family(cfg.model.pretrained)
+    except FileNotFoundError as exc:
+        raise CheckpointFormatError(f"model.pretrained: {exc}") from None
+    except OSError as exc:
+        raise CheckpointFormatError(
+            f"model.pretrained={cfg.model.pretrained}: cannot read {exc.filename} ({exc.strerror})"
+        ) from None
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(f"model.pretrained: {exc}") from None
+    if named is not None and named != found:
+        raise ConfigError(
+            f"model.family: {named!r} conflicts with model.pretrained={cfg.model.pretrained} "
+            f"(config.json model_type {found!r}); drop model.family"
+        )
+    return found
 
 
 def _expected_type(value: Any) -> tuple[type, ...] | None:
@@ -132,14 +138,13 @@ def check_overrides(overrides: dict[str, Any], defaults: dict[str, Any]) -> None
             )
 
 
-def model_config(cfg: RunConfig) -> DeepseekV4Config:
+def model_config(cfg: RunConfig) -> Any:
     """The model preset with `model.overrides` and `model.*` applied (errors name the key)."""
     # torch (megatron, the model) loads only when a model config is asked for: `pack` and
     # config validation stay torch-free
-    from primus_v4.models.deepseek_v4.config import DeepseekV4Config
-
+    spec = model_spec(model_family(cfg))
     preset = None if cfg.model.pretrained is not None else (cfg.model.preset or "tiny")
-    check_overrides(cfg.model.overrides, _model_defaults(DeepseekV4Config, preset))
+    check_overrides(cfg.model.overrides, _model_defaults(spec, preset))
     overrides = dict(cfg.model.overrides)
     if not cfg.model.fused_linear_ce:
         # One CE chunk spanning the whole row: the [S, vocab] logits exist at once (unfused).
@@ -152,10 +157,10 @@ def model_config(cfg: RunConfig) -> DeepseekV4Config:
         overrides.setdefault("bf16", True)
         overrides.setdefault("params_dtype", torch.bfloat16)
     if cfg.model.pretrained is not None:
-        return pretrained_model_config(cfg.model.pretrained, overrides)
+        return pretrained_model_config(spec, cfg.model.pretrained, overrides)
     assert preset is not None
     try:
-        return DeepseekV4Config.preset(preset, **overrides)
+        return spec.config_class.preset(preset, **overrides)
     except ConfigError as exc:
         raise ConfigError(f"model.preset / model.overrides: {exc}") from None
     except (TypeError, ValueError, AssertionError, ArithmeticError) as exc:
@@ -184,9 +189,9 @@ def _recompute_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
         overrides["recompute_modules"] = list(cfg.model.recompute_modules)
 
 
-def pretrained_model_config(directory: str, overrides: dict[str, Any]) -> DeepseekV4Config:
+def pretrained_model_config(spec: ModelSpec, directory: str, overrides: dict[str, Any]) -> Any:
     """The model config of a released checkpoint (its config.json), overrides applied."""
-    from primus_v4.pretrained.load import read_config  # torch-free config path, as above
+    read_config = spec.release.read_config
 
     try:  # the release's own config.json first: a problem there is the release's
         read_config(directory)
@@ -260,30 +265,17 @@ def train_steps(cfg: RunConfig, rows_per_epoch: int) -> int:
     return steps
 
 
-def check_model_fits(cfg: RunConfig, model: DeepseekV4Config) -> None:
-    """Model-dependent parallel checks: experts per EP rank, layers per pipeline stage."""
-    p = cfg.parallel
-    experts = model.num_moe_experts or 0
-    if experts % p.ep:
-        raise ConfigError(
-            f"parallel.ep={p.ep} must divide the model's num_moe_experts={experts} "
-            f"(each EP rank holds experts / ep of them)"
-        )
-    if p.pp > 1 and p.pp_layout is None and model.num_layers < p.pp:
-        raise ConfigError(
-            f"parallel.pp={p.pp} exceeds the model's num_layers={model.num_layers}: every "
-            "pipeline stage needs at least one decoder layer"
-        )
-    if p.pp > 1 or p.pp_layout is not None:
-        try:  # the stage plan the pipeline engine will build, checked against the model
-            plan_stages(
-                pp=p.pp,
-                num_layers=model.num_layers,
-                mtp_num_layers=model.mtp_num_layers or 0,
-                layout=p.pp_layout,
-            )
-        except ConfigError as exc:
-            raise ConfigError(f"parallel.pp / parallel.pp_layout: {exc}") from None
+def check_model_fits(cfg: RunConfig, sizes: ParallelDims, model: Any) -> None:
+    """Model-dependent parallel checks (`ParallelDims.check_model`): layers per pipeline stage,
+    experts per EP rank, rows per CP rank."""
+    sizes.check_model(
+        num_layers=model.num_layers,
+        num_experts=model.num_moe_experts,
+        pp_layout=cfg.parallel.pp_layout,
+        mtp_num_layers=model.mtp_num_layers or 0,
+        seq_length=cfg.data.seq_length,
+        cp_min_rows=spec_of(model).cp_min_rows(model),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -291,19 +283,25 @@ class ResolvedRun:
     """A config checked against the world size and the model, ready to run."""
 
     cfg: RunConfig
-    sizes: ParallelSizes
-    model: DeepseekV4Config
+    sizes: ParallelDims
+    model: Any
     data: PackSpec
     eval_data: PackSpec | None = None
     """The evaluation corpus (None: no evaluation)."""
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        train = self.cfg.train
+        return train.global_batch_size // (train.micro_batch_size * self.sizes.dp)
 
     def summary(self) -> dict[str, Any]:
         """Derived numbers printed next to the config by `--dry-run`."""
         return {
             "world_size": self.sizes.world,
             "dp": self.sizes.dp,
-            "edp": self.sizes.edp,
-            "num_micro_batches": self.sizes.num_micro_batches,
+            "edp": self.sizes.expert_dp,
+            "num_micro_batches": self.num_micro_batches,
             "packed": self.cfg.packed,
             "num_layers": self.model.num_layers,
             "compress_ratios": list(self.model.compress_ratios),
@@ -312,18 +310,15 @@ class ResolvedRun:
         }
 
 
-def check_pretrained(cfg: RunConfig, model: DeepseekV4Config) -> None:
+def check_pretrained(cfg: RunConfig, model: Any) -> None:
     """model.pretrained: the release's index, shard headers and tensor names against the model
     (no tensor is read), so a missing or truncated shard fails before any work. Called by the
     trainer and by --dry-run when the run will not resume its own checkpoint instead."""
     if cfg.model.pretrained is None:
         return
-    from primus_v4.pretrained.load import check_release
-
     try:
-        lora = cfg.model.lora
-        check_release(
-            cfg.model.pretrained, model, keep_release=lora.rank > 0 and lora.base == "release"
+        spec_of(model).release.check(
+            cfg.model.pretrained, model, keep_release=cfg.model.lora.keeps_release
         )
     except CheckpointFormatError as exc:
         raise CheckpointFormatError(f"model.pretrained={cfg.model.pretrained}: {exc}") from None
@@ -337,7 +332,7 @@ def resolve_run(cfg: RunConfig, world: int | None = None) -> ResolvedRun:
     """Validate everything that can be validated without data or weights."""
     sizes = parallel_sizes(cfg, world_size_from_env() if world is None else world)
     model = model_config(cfg)
-    check_model_fits(cfg, model)
+    check_model_fits(cfg, sizes, model)
     evaluates = bool(cfg.data.eval_path) or cfg.data.eval_fraction > 0
     return ResolvedRun(
         cfg=cfg,

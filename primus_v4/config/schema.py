@@ -131,11 +131,20 @@ class LoraConfig:
         _require(len(set(self.targets)) == len(self.targets), "model.lora.targets",
                  f"names a module twice: {self.targets}")  # fmt: skip
 
+    @property
+    def keeps_release(self) -> bool:
+        """Whether the frozen base is held as the release stores it (adapters on, base
+        `release`): the one place this rule is written."""
+        return self.rank > 0 and self.base == "release"
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """Which DeepSeek-V4 to build."""
+    """Which model to build."""
 
+    family: str | None = None
+    """The model family (`deepseek_v4`); None = the preset's, or the `model_type` of the
+    `pretrained` release's config.json (which must agree with it when both are given)."""
     preset: str | None = None
     """A shipped preset (`primus-v4 inspect presets`; primus_v4/configs/models/<preset>.yaml,
     DeepseekV4Config fields); None = `tiny`,
@@ -249,7 +258,7 @@ class OptimConfig:
     """dtype the gradients are accumulated over micro-batches and summed over replicas in, before
     the fp32 step. float64 makes the sums independent of how micro-batches are split over DP
     ranks (dp=N gives the same bits as dp=1, e.g. for parity checks) for 2x the gradient-buffer
-    and reduce-scatter bytes; float32 keeps the sums AdamW always got (training/zero.py)."""
+    and reduce-scatter bytes; float32 keeps the sums AdamW always got (training/optim/zero.py)."""
     grad_accum_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the full-size buffers the micro-batches' gradients add into. bfloat16 (bf16
     models, grad_reduce_dtype float32) halves them: each bucket is upcast to float32 to be

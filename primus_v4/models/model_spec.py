@@ -1,20 +1,21 @@
-"""What a model folder gives the trainer: one `ModelSpec` (torchtitan's train-spec idea).
+"""What a model family gives the rest of the package: one `ModelSpec` (torchtitan's train-spec).
 
-The trainer builds, cuts and loads a model only through its spec, so nothing above `models/`
-names a model class: `build` makes the whole model (on the meta device for a multi-rank run),
-`parallelize` cuts it to the rank's pipeline stage and expert shard and materializes it,
-`cp_splitter` splits a pack over the context-parallel ranks, and `step_hooks` are the model's
-own per-step updates (for DeepSeek-V4 the router bias rule), each called with
-`step(apply=<the optimizer stepped>)`.
+Everything above `models/` reaches a model only through its spec (an import-linter contract in
+pyproject.toml says so): the trainer builds, cuts, loads and updates a model; the config layer
+reads presets and release config.json files; the memory plan names layer kinds; the exports
+rename and write tensors. A second family plugs in by adding its folder and one line in
+`models/__init__.py`, without touching the trainer, the CLI or the memory plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
-from torch import nn
+if TYPE_CHECKING:  # torch-free at import: config validation reads the registry
+    from torch import nn
 
 
 class StepHook(Protocol):
@@ -24,15 +25,58 @@ class StepHook(Protocol):
 
 
 @dataclass(kw_only=True, frozen=True)
+class ReleaseFormat:
+    """A family's released checkpoints: config.json, tensor names, load and save."""
+
+    read_config: Callable[..., Any]
+    """(directory or config.json, **overrides) -> the model config."""
+    config_json: Callable[[Any], dict[str, Any]]
+    """model config -> the release's config.json dict."""
+    config_from_json: Callable[..., Any]
+    """(config.json dict, *, source) -> the model config."""
+    check: Callable[..., None]
+    """(directory, model config, *, keep_release) -> None: index, shard headers and names
+    against the model, reading no tensor (raises CheckpointFormatError)."""
+    open: Callable[..., Any]
+    """directory -> a `CheckpointReader` under the release's tensor names."""
+    rank_loader: Callable[..., Callable[[nn.Module], None]]
+    """(directory, *, progress) -> the `weights=` callback of `parallelize`."""
+    load: Callable[..., nn.Module]
+    """(directory, *, dtype, device, progress, keep_release) -> the whole model, loaded."""
+    save: Callable[..., Any]
+    """(model, out, *, dtype, ...) -> a release directory written from a whole model."""
+    write_state: Callable[..., Any]
+    """(model config, state pieces, out, *, dtype, ...) -> a release directory written from a
+    stream of state-dict pieces (a training checkpoint being exported)."""
+    names: Any
+    """The state-dict adapter module: `name_table`, `release_tensors`, `to_release`,
+    `fill_state`, `needed` (release names <-> ours)."""
+    release_weights: Callable[[nn.Module], list[Any]]
+    """model -> its weights kept as released (`ReleaseWeight`), empty when none are."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class ModelSpec:
     name: str
-    """The model family, as `model.preset` configs name it."""
+    """The model family, as presets, run configs and config.json `model_type` name it."""
+    title: str
+    """For messages: "DeepSeek-V4"."""
+    preset_dir: Path
+    """Where the family's presets live (YAML of model config fields)."""
+    config_class: type
+    """The model config dataclass (`preset(name, **overrides)`, `from_dict`)."""
+    layer_kinds: Mapping[int, str]
+    """compress ratio -> layer kind name (the memory plan's per-kind rows)."""
+    param_counts: Callable[[Any], Any]
+    """model config -> parameter counts by part (`inspect model`)."""
     build: Callable[[Any], nn.Module]
     """config -> the whole model (call under `torch.device("meta")` to allocate nothing)."""
     parallelize: Callable[..., Any]
     """(model, ctx, *, pp_layout, packed, device, seed, weights, prepare) -> `Parallelized`."""
     is_meta: Callable[[nn.Module], bool]
     """Whether a model still holds meta (shape-only) parameters."""
+    cp_min_rows: Callable[[Any], int]
+    """config -> the fewest rows a CP rank may hold (the boundary rows it hands on)."""
     cp_splitter: Callable[..., Any]
     """(cp_axis, config, *, packed, device, seq_length) -> the splitter of packs over CP."""
     step_hooks: Callable[..., list[StepHook]]
@@ -44,3 +88,4 @@ class ModelSpec:
     keep_release: Callable[..., int]
     """(rank module, config, *, dtype) -> weights kept as the release stores them (meta: to be
     read by the loader; materialized: quantized), decoded per use (`model.lora.base: release`)."""
+    release: ReleaseFormat

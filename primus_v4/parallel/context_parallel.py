@@ -9,7 +9,7 @@ zeros; backward sends the boundary gradient back to its owner), the pool all-gat
 reduce-scatter) and an autograd all-reduce for per-segment statistics. `split_rows` is the
 contiguous split: rank r holds rows [r*T, (r+1)*T). How a model's batch is split (which
 boundaries its layers need, which shifted streams it precomputes) is the model's own
-(models/deepseek_v4/cp_batch.py).
+(models/deepseek_v4/infra/cp_batch.py).
 """
 
 from __future__ import annotations
@@ -156,10 +156,6 @@ def split_rows(x: torch.Tensor, cp_rank: int, cp_size: int, name: str = "tensor"
             )
         x = x[0]
     s = x.shape[0]
-    if s % cp_size:
-        raise ConfigError(
-            f"{name}: pack length {s} is not divisible by parallel.cp={cp_size}; choose a "
-            f"data.seq_length that is a multiple of cp"
-        )
+    assert s % cp_size == 0, f"{name}: {s} rows do not split over cp={cp_size} (schema.py checks)"
     t = s // cp_size
     return x[cp_rank * t : (cp_rank + 1) * t]

@@ -18,99 +18,22 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from primus_v4.errors import ConfigError, PrimusError
+from primus_v4.errors import PrimusError
 
 with warnings.catch_warnings():
     # megatron-core warns at import that Transformer Engine / Apex are absent (not used here).
     warnings.simplefilter("ignore")
     from megatron.core import parallel_state as ps
 from primus_v4.log import get_logger
-from primus_v4.parallel.pipeline_layout import plan_stages
+from primus_v4.parallel.dims import ParallelDims
 
 log = get_logger(__name__)
-
-
-@dataclass(kw_only=True)
-class ParallelDims:
-    """Sizes of every parallel axis; `dp` is derived as world / (pp x cp).
-
-    world: total number of ranks.
-    tp: tensor parallel; must be 1 (see `validate`).
-    pp: pipeline stages.
-    cp: context parallel (the pack split contiguously over cp ranks).
-    ep: expert parallel (experts sharded over ep ranks; folds over dp x cp).
-    etp: expert tensor parallel; must be 1 like tp.
-    """
-
-    world: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    dp: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.validate()
-        self.dp = self.world // (self.tp * self.pp * self.cp)
-
-    @property
-    def expert_dp(self) -> int:
-        """Replicas of each expert shard: world / (ep x etp x pp), as megatron lays it out."""
-        return self.world // (self.ep * self.etp * self.pp)
-
-    def validate(self) -> None:
-        for name in ("world", "tp", "pp", "cp", "ep", "etp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"parallel.{name} must be a positive integer, got {value!r}")
-        if self.tp != 1 or self.etp != 1:
-            # The single shared KV latent, the indexer scores and the compressed pools have no
-            # head axis worth sharding: long context scales with CP and experts with EP.
-            raise ConfigError(
-                f"tensor parallelism is deliberately absent in primus_v4 (got tp={self.tp}, "
-                f"etp={self.etp}); use cp for long context and ep for experts, with tp=etp=1"
-            )
-        if self.world % (self.pp * self.cp):
-            raise ConfigError(
-                f"world size {self.world} is not divisible by pp x cp = {self.pp} x {self.cp} "
-                f"= {self.pp * self.cp}; data parallel size would not be an integer"
-            )
-        dp = self.world // (self.pp * self.cp)
-        if (dp * self.cp) % (self.ep * self.etp):
-            # Same condition as world % (ep x etp x pp) == 0: expert-DP x EP x ETP x PP must
-            # tile the world just as DP x CP x TP x PP does.
-            raise ConfigError(
-                f"ep={self.ep} must divide dp x cp = {dp} x {self.cp} = {dp * self.cp} "
-                f"(world {self.world} / pp {self.pp}); experts fold over the data and "
-                "context parallel ranks of one pipeline stage"
-            )
-
-    def check_model(
-        self,
-        *,
-        num_layers: int,
-        num_experts: int | None = None,
-        pp_layout: str | None = None,
-        mtp_num_layers: int = 0,
-    ) -> None:
-        """Model-dependent checks: layers per stage and experts per EP rank."""
-        plan_stages(
-            pp=self.pp, num_layers=num_layers, mtp_num_layers=mtp_num_layers, layout=pp_layout
-        )
-        if self.ep > 1 and not num_experts:
-            raise ConfigError(f"parallel.ep={self.ep} needs an MoE model (num_moe_experts unset)")
-        if num_experts and num_experts % self.ep:
-            raise ConfigError(
-                f"num_moe_experts {num_experts} is not divisible by ep {self.ep}; every EP rank "
-                f"must hold the same number of experts"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from primus_v4.data.mtp_shift import mtp_streams
 from primus_v4.data.thd import ThdBatch, TokenCounts
-from primus_v4.models.deepseek_v4.mtp import mtp_streams
 
 
 def mtp_loss_mask(batch: ThdBatch, depth: int) -> torch.Tensor:

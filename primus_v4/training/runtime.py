@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from primus_v4.config.resolve import ParallelSizes
 from primus_v4.log import get_logger
 from primus_v4.parallel.groups import ParallelContext, ParallelDims, destroy_parallel, init_parallel
 
@@ -22,7 +21,7 @@ log = get_logger(__name__)
 @dataclass(kw_only=True)
 class Runtime:
     ctx: ParallelContext
-    sizes: ParallelSizes
+    sizes: ParallelDims
     owns_process_group: bool = False
 
     @property
@@ -66,13 +65,13 @@ def _local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_runtime(sizes: ParallelSizes) -> Runtime:
+def init_runtime(sizes: ParallelDims) -> Runtime:
     """Start (or join) the process groups described by the launcher's environment."""
     if sizes.world == 1:
         return Runtime(ctx=ParallelContext.single(_local_device()), sizes=sizes)
     import torch.distributed as dist
 
     owns = not dist.is_initialized()
-    ctx = init_parallel(ParallelDims(world=sizes.world, pp=sizes.pp, cp=sizes.cp, ep=sizes.ep))
+    ctx = init_parallel(sizes)
     log.info("parallel layout: %s", ctx.describe())
     return Runtime(ctx=ctx, sizes=sizes, owns_process_group=owns)

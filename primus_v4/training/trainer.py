@@ -9,10 +9,10 @@ optimizer step, one metrics row.
 
 Where the parallel pieces plug in (identities in one process):
   * `init_runtime`   process groups from the launcher env (torchrun: gloo / RCCL).
-  * `_parallelize`   pipeline stage + schedule, expert shards (models/deepseek_v4/parallelize.py).
+  * `_parallelize`   pipeline stage + schedule, expert shards (training/build.py, the spec).
   * `_model_inputs`  CP slicing of the pack (rows, global cu_seqlens, MTP streams).
   * `Runtime.ctx`     the rank's ParallelContext: token-count and gradient reductions.
-  * `_checkpoints`   save / resume (primus_v4.training.checkpoint).
+  * `_checkpoints`   save / resume (primus_v4.training.checkpoint.store).
 """
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ from primus_v4.data.pipeline import build_or_load
 from primus_v4.data.thd import ThdBatch, to_packed_seq_params
 from primus_v4.errors import PrimusError
 from primus_v4.log import get_logger
-from primus_v4.models import model_spec
-from primus_v4.pretrained.load import rank_loader
+from primus_v4.models import spec_of
 from primus_v4.training.batches import BatchSource, Corpus
+from primus_v4.training.build import assemble, meta_model
+from primus_v4.training.checkpoint.lifecycle import RunCheckpoints, check_steps
 from primus_v4.training.evaluation import Evaluator
 from primus_v4.training.loss import StepLoss, count_tokens, reduce_counts
-from primus_v4.training.metrics import (
+from primus_v4.training.metrics.history import keep_rows_through, read_history
+from primus_v4.training.metrics.writer import (
     MetricsWriter,
     StepMetrics,
     loss_window,
@@ -49,11 +51,9 @@ from primus_v4.training.metrics import (
     plot_loss,
     summarize,
 )
-from primus_v4.training.metrics_history import keep_rows_through, read_history
+from primus_v4.training.optim.zero import build_sharded_optimizer
 from primus_v4.training.preemption import stop_on_signals
-from primus_v4.training.run_checkpoints import RunCheckpoints, check_steps
 from primus_v4.training.runtime import Runtime, init_runtime
-from primus_v4.training.zero import build_sharded_optimizer
 
 log = get_logger(__name__)
 
@@ -70,17 +70,14 @@ def build_model(run: ResolvedRun) -> nn.Module:
     keeps its stage and expert shard and materializes only those under `train.seed`
     (`Trainer._parallelize`; same seed -> same weights in every layout)."""
     torch.manual_seed(run.cfg.train.seed)  # the run's RNG state; weights draw from their own
-    with torch.device("meta"):
-        model = model_spec().build(run.model)
-    dtype = torch.bfloat16 if run.cfg.model.dtype == "bfloat16" else torch.float32
-    return model.to(dtype=dtype)
+    return meta_model(run.model, run.cfg.model)
 
 
 def build_optimizer(
     run: ResolvedRun, model: nn.Module, ctx: Any = None, total_steps: int | None = None
 ) -> tuple[Any, Any]:
     """AdamW on fp32 master weights, state sharded over each parameter's data-parallel replicas
-    (primus_v4.training.zero), with linear warmup then cosine decay to min_lr over
+    (primus_v4.training.optim.zero), with linear warmup then cosine decay to min_lr over
     `total_steps` (default train.steps)."""
     return build_sharded_optimizer(run, model, ctx, total_steps=total_steps)
 
@@ -137,6 +134,7 @@ class Trainer:
     ) -> None:
         self.run = run
         self.cfg = run.cfg
+        self.spec = spec_of(run.model)
         self.runtime = runtime or init_runtime(run.sizes)
         # Which checkpoint this run continues, decided (and verified) before any work: a refused
         # resume costs seconds and writes nothing.
@@ -157,13 +155,12 @@ class Trainer:
             check_steps(self.resume_from, self.total_steps)
         model = model if model is not None else build_model(run)
         self.model = self._parallelize(model)
-        self._add_adapters()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(
             run, self.model, self.runtime.ctx, self.total_steps
         )
         self._seed_masters()
-        self.step_hooks = model_spec().step_hooks(
+        self.step_hooks = self.spec.step_hooks(
             [self.model], self.cfg.model, group=self.runtime.ctx.dp_cp_group
         )
         self.mtp_depths = int(run.model.mtp_num_layers or 0)
@@ -200,47 +197,26 @@ class Trainer:
         return steps
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
-        """This rank's pipeline stage with its expert shards (one process: unchanged)."""
-        spec = model_spec()
-        weights = self._pretrained_weights()
-        # Random init: the weights are drawn from train.seed while materializing.
-        self._drawn = weights is None and spec.is_meta(model)
-        lora = self.cfg.model.lora
-        keep = bool(lora.rank) and lora.base == "release"
-        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
-        cfg = self.run.model
-
-        def keep_release(rank_model: nn.Module) -> None:
-            n = spec.keep_release(rank_model, cfg, dtype=dtype)
-            log.info("model.lora.base=release: %d base weights kept as FP8 / FP4 bytes", n)
-
-        done = spec.parallelize(
-            model,
-            self.runtime.ctx,
-            pp_layout=self.cfg.parallel.pp_layout,
-            packed=self.cfg.packed,
-            device=self.runtime.device,
+        """This rank's pipeline stage with its expert shards (one process: unchanged), the base
+        kept as released and adapters added as `model.lora` asks (training/build.py)."""
+        parallel = {
+            "ctx": self.runtime.ctx,
+            "pp_layout": self.cfg.parallel.pp_layout,
+            "packed": self.cfg.packed,
+            "device": self.runtime.device,
+        }
+        built = assemble(
+            self.run.model,
+            self.cfg.model,
             seed=self.cfg.train.seed,
-            weights=weights,
-            prepare=keep_release if keep and weights is not None else None,
+            model=model,
+            parallel=parallel,
+            weights=self._pretrained_weights(),
         )
-        if keep and weights is None:  # a drawn base: quantized as a release would store it
-            keep_release(done.model)
-        self.pipeline: Any = done.pipeline
-        return done.model
-
-    def _add_adapters(self) -> None:
-        """model.lora.rank > 0: freeze the base, add LoRA adapters (the only trainable state)."""
-        lora = self.cfg.model.lora
-        if not lora.rank:
-            return
-        frozen = sum(p.numel() for p in self.model.parameters())
-        added = model_spec().add_adapters(self.model, lora, seed=self.cfg.train.seed)
-        log.info(
-            "LoRA rank %d alpha %g on %s: %d adapter parameters train, %d base parameters "
-            "frozen (%.3f%%)", lora.rank, lora.alpha, ",".join(lora.targets), added, frozen,
-            100 * added / max(frozen, 1),
-        )  # fmt: skip
+        # Random init: the weights were drawn from train.seed while materializing.
+        self._drawn = built.drawn
+        self.pipeline: Any = built.pipeline
+        return built.model
 
     def _seed_masters(self) -> None:
         """A random-init run in a low-precision dtype: the fp32 masters start from the float32
@@ -268,13 +244,13 @@ class Trainer:
             )
             return None
         show = self.runtime.is_main and self.cfg.output.progress_bar
-        return rank_loader(directory, progress=show)
+        return self.spec.release.rank_loader(directory, progress=show)
 
     def _context_parallel(self) -> Any:
         """CP > 1: the splitter that gives this rank its contiguous rows of every pack."""
         if self.runtime.ctx.cp.size == 1:
             return None
-        return model_spec().cp_splitter(
+        return self.spec.cp_splitter(
             self.runtime.ctx.cp,
             self.run.model,
             packed=self.cfg.packed,

@@ -24,7 +24,7 @@ from test_cp_layout import _pack
 
 from primus_v4.models.deepseek_v4 import DeepseekV4Model
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
-from primus_v4.models.deepseek_v4.cp_batch import (
+from primus_v4.models.deepseek_v4.infra.cp_batch import (
     required_local_rows,
     shard_batch,
     shard_token_counts,

@@ -2,29 +2,26 @@
 (exact), and the checkpoint holds each expert weight once as its global [E, ...] tensor.
 
 Expert shards have the same local name on both EP ranks; without the DTensor sharding in
-training/checkpoint.py one rank's experts would overwrite the other's.
+training/checkpoint/store.py one rank's experts would overwrite the other's.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from harness import run_ranks
 from torch.optim.lr_scheduler import LambdaLR
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"))
 from train_fakes import RAGGED_PACKS, TEST_VOCAB, FakeCorpus
 
 from primus_v4.data.thd import to_packed_seq_params
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
-from primus_v4.models.deepseek_v4.parallelize import apply_expert_parallel
+from primus_v4.models.deepseek_v4.infra.parallelize import apply_expert_parallel
 from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
-from primus_v4.training.checkpoint import CheckpointManager
-from primus_v4.training.lr_schedule import warmup_cosine
-from primus_v4.training.zero import ShardedAdamW
+from primus_v4.training.checkpoint.store import CheckpointManager
+from primus_v4.training.optim.lr_schedule import warmup_cosine
+from primus_v4.training.optim.zero import ShardedAdamW
 
 EXPERT = "layers.1.moe.w_down"  # a top-k routed layer's expert weight, [E, D, F] globally
 

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from harness import run_ranks
 
 from primus_v4.models.deepseek_v4 import DeepseekV4Config
+from primus_v4.models.deepseek_v4.infra.parallelize import shard_moe
 from primus_v4.models.deepseek_v4.layout import RowLayout
 from primus_v4.models.deepseek_v4.moe import MoE, RoutingInputs
-from primus_v4.models.deepseek_v4.parallelize import shard_moe
 from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
 
 TOL = 1e-5  # float32; EP only regroups rows, so differences are summation-order rounding

@@ -12,7 +12,7 @@ from harness import run_ranks
 from torch import nn
 
 from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
-from primus_v4.training.zero import ShardedAdamW
+from primus_v4.training.optim.zero import ShardedAdamW
 
 AXES = ("pp", "cp", "dp", "dp_cp", "ep", "expert_dp")
 MAX_NORM = 1.0

@@ -12,8 +12,6 @@ from harness import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_dist_zero import KEYS, PACKS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"))
 from train_fakes import SEQ, TEST_VOCAB, FakeCorpus
 
 from primus_v4.config import load_config, resolve_run

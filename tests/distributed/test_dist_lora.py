@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from harness import train_metrics
 
-from primus_v4.training.checkpoint import LATEST, step_dir
+from primus_v4.training.checkpoint.store import LATEST, step_dir
 
 LORA = ("model.lora.rank=8", "model.lora.alpha=16", "train.lr=0.02")
 

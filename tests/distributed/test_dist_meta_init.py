@@ -6,17 +6,12 @@ and never allocates the other stage's parameters.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 from harness import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"))
 from train_fakes import TEST_VOCAB
 
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
-from primus_v4.models.deepseek_v4.parallelize import parallelize
+from primus_v4.models.deepseek_v4.infra.parallelize import parallelize
 from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
 
 SEED = 7

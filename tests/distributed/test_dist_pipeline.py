@@ -9,19 +9,14 @@ counts of all micro-batches), so the only difference is where the layers run.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from harness import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"))
 from train_fakes import RAGGED_PACKS, TEST_VOCAB, FakeCorpus
 
 from primus_v4.data.thd import to_packed_seq_params
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model, ModelOutput
-from primus_v4.models.deepseek_v4.pipeline_stage import build_stage
+from primus_v4.models.deepseek_v4.infra.pipeline_stage import build_stage
 from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
 from primus_v4.parallel.pipeline_layout import parse_pp_layout, plan_stages
 from primus_v4.parallel.pipeline_schedule import PipelineRunner

@@ -14,7 +14,7 @@ from harness import run_ranks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"))
 from test_run_checkpoints import _trainer
 
-from primus_v4.training import checkpoint_integrity as integrity
+from primus_v4.training.checkpoint import integrity
 
 
 def _rank(rank: int, world: int, tmp: str) -> tuple[int | None, list[int]]:

@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from harness import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "models"))
 from release_checkpoint import random_release_tensors, release_config
 
 from primus_v4.checkpoint_formats.sharded import CheckpointReader, write_checkpoint
-from primus_v4.models.deepseek_v4 import state_dict_adapter as adapter
-from primus_v4.models.deepseek_v4.parallelize import parallelize
+from primus_v4.models.deepseek_v4.infra.parallelize import parallelize
+from primus_v4.models.deepseek_v4.release import state_dict_adapter as adapter
+from primus_v4.models.deepseek_v4.release.load import (
+    load_pretrained,
+    load_rank_weights,
+    read_config,
+)
 from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
 from primus_v4.parallel.pipeline_layout import plan_stages
-from primus_v4.pretrained.load import load_pretrained, load_rank_weights, read_config
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +47,8 @@ def fp8_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _load_rank(rank: int, world: int, directory: str, ckpt_root: str) -> dict:
     from primus_v4.config import dump_yaml, load_config
     from primus_v4.models.deepseek_v4 import DeepseekV4Model
-    from primus_v4.training.checkpoint import save
-    from primus_v4.training.zero import ShardedAdamW
+    from primus_v4.training.checkpoint.store import save
+    from primus_v4.training.optim.zero import ShardedAdamW
 
     ctx = init_parallel(ParallelDims(world=world, pp=2, ep=2), backend="gloo")
     try:
@@ -149,7 +150,7 @@ def test_export_of_the_pp2_ep2_checkpoint_is_the_release_again(
     """The DCP checkpoint the 4 ranks wrote (stages + expert shards) exports in one process to
     the release tensors the model was loaded from: bf16 values of the dequantized weights for
     the fp8 / fp4 / bf16 kinds, exact for fp32 and int64."""
-    from primus_v4.training.export_run import export_checkpoint, find_source
+    from primus_v4.export.run import export_checkpoint, find_source
 
     root = loaded[1]
     summary = export_checkpoint(find_source(root), tmp_path / "out", max_shard_bytes=256 * 1024)
@@ -166,8 +167,9 @@ def test_export_of_the_pp2_ep2_checkpoint_is_the_release_again(
 def _load_rank_kept(rank: int, world: int, directory: str) -> dict:
     """As `_load_rank`, with the base kept as released (model.lora.base: release): the stage's
     FP8 / FP4 weights are read undecoded into their byte buffers."""
+    from primus_v4.models.common.kept_base import release_weights
     from primus_v4.models.deepseek_v4 import DeepseekV4Model
-    from primus_v4.models.deepseek_v4.release_base import keep_release_base, release_weights
+    from primus_v4.models.deepseek_v4.release.kept_base import keep_release_base
 
     ctx = init_parallel(ParallelDims(world=world, pp=2, ep=2), backend="gloo")
     try:

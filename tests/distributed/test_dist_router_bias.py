@@ -11,7 +11,7 @@ import torch.distributed as dist
 from harness import run_ranks
 from test_dist_expert_parallel import _moe, _pack
 
-from primus_v4.models.deepseek_v4.parallelize import shard_moe
+from primus_v4.models.deepseek_v4.infra.parallelize import shard_moe
 from primus_v4.models.deepseek_v4.router_bias import RouterBiasUpdate
 from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from harness import train_metrics
 
-from primus_v4.training.checkpoint import LATEST, step_dir
+from primus_v4.training.checkpoint.store import LATEST, step_dir
 
 # A 0.05 step changes the tiny model's routing: steps 2-3 aux loss moves ~0.5% vs no update.
 BIAS_UPDATE = "model.router_bias_update_rate=0.05"

@@ -3,14 +3,11 @@ the token denominator and the gradients are summed over DP ranks, never averaged
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 from harness import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"))
 from train_fakes import FakeCorpus, FakeLM, tiny_run
 
 from primus_v4.config import resolve_run

@@ -8,20 +8,17 @@ The runs sum gradients in float64 (`optim.grad_reduce_dtype`): float32 sums depe
 micro-batches are split over DP ranks (((m0 + m1) + m2) + m3 at dp=1, (m0 + m1) + (m2 + m3) at
 dp=2), AdamW turns that rounding into ~lr x 1e-3 weight differences where |g| is near its eps,
 and over 5 steps the tiny model's losses drift apart by 1e-6..4e-4 (and its near-tied top-k
-choices flip), while float64 sums give dp=2 the bits of dp=1 (training/zero.py). The float32
+choices flip), while float64 sums give dp=2 the bits of dp=1 (training/optim/zero.py). The float32
 default's DP parity is checked by test_dist_trainer_dp.py and test_dist_trainer_combos.py.
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 from harness import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"))
 from train_fakes import SEQ, TEST_VOCAB, FakeCorpus
 
 from primus_v4.config import load_config, resolve_run

@@ -8,18 +8,15 @@ exactly the concatenation of the two ranks' fp32 master and moment chunks.
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from harness import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"))
 from train_fakes import FakeCorpus, FakeLM, tiny_run
 
 from primus_v4.config import resolve_run
-from primus_v4.training.checkpoint import LATEST, step_dir
+from primus_v4.training.checkpoint.store import LATEST, step_dir
 from primus_v4.training.trainer import Trainer
 
 PACKS = [[100, 70, 60], [200, 40], [33, 150, 60], [90, 90, 60], [250], [120, 111], [60], [9, 9]]

@@ -17,9 +17,9 @@ from test_cp_layout import _pack
 from test_cp_model import BASE, STRADDLE
 from test_dist_pipeline import _inputs, _rows, _step_loss
 
+from primus_v4.models.common.recompute import MODULES
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model, ModelOutput
-from primus_v4.models.deepseek_v4.cp_batch import required_local_rows, shard_batch
-from primus_v4.models.deepseek_v4.recompute import MODULES
+from primus_v4.models.deepseek_v4.infra.cp_batch import required_local_rows, shard_batch
 from primus_v4.parallel.context_parallel import CpComm
 
 SELECTIVE = {"recompute_granularity": "selective", "recompute_modules": list(MODULES)}
@@ -50,7 +50,7 @@ def test_cp2_selective_recompute_is_bit_identical() -> None:
 
 
 def _pp_grads(rank: int, cfg: DeepseekV4Config, packs: int) -> dict[str, torch.Tensor]:
-    from primus_v4.models.deepseek_v4.pipeline_stage import build_stage
+    from primus_v4.models.deepseek_v4.infra.pipeline_stage import build_stage
     from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
     from primus_v4.parallel.pipeline_layout import plan_stages
     from primus_v4.parallel.pipeline_schedule import PipelineRunner
@@ -88,8 +88,8 @@ def _ep_same_bits(rank: int, world: int) -> list[str]:
     every gradient equals the run without recompute."""
     from test_dist_expert_parallel import _moe, _pack
 
-    from primus_v4.models.deepseek_v4.parallelize import shard_moe
-    from primus_v4.models.deepseek_v4.recompute import checkpointed
+    from primus_v4.models.common.recompute import checkpointed
+    from primus_v4.models.deepseek_v4.infra.parallelize import shard_moe
     from primus_v4.parallel.groups import ParallelDims, destroy_parallel, init_parallel
 
     ctx = init_parallel(ParallelDims(world=world, ep=2), backend="gloo")

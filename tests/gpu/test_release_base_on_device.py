@@ -8,10 +8,10 @@ import pytest
 import torch
 from cpu_helpers import load
 
+from primus_v4 import load_pretrained, save_pretrained
 from primus_v4.config.schema import LORA_TARGETS
+from primus_v4.models.common.kept_base import release_weights
 from primus_v4.models.deepseek_v4.lora import LoraSpec, apply_lora
-from primus_v4.models.deepseek_v4.release_base import release_weights
-from primus_v4.pretrained import load_pretrained, save_pretrained
 
 pytestmark = pytest.mark.gpu
 

@@ -76,7 +76,10 @@ def sparse_release(directory, cfg) -> None:
 
     import torch
 
-    from primus_v4.models.deepseek_v4.state_dict_adapter import config_to_release, stored_tensors
+    from primus_v4.models.deepseek_v4.release.state_dict_adapter import (
+        config_to_release,
+        stored_tensors,
+    )
 
     codes = {torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.float8_e8m0fnu: "F8_E8M0",
              torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64"}  # fmt: skip

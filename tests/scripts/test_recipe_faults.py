@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
-from recipe_runner import run_recipe
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"))
 from faults import read_only_dir
+from recipe_runner import run_recipe
 
 from primus_v4.errors import ExitCode
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "training"))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "models"))
+# run as a script too: the shared helpers are not on its path then
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from faults import limited_writes
 from release_checkpoint import random_release_tensors, release_config
 from train_fakes import RAGGED_PACKS, FakeCorpus, tiny_run

@@ -34,13 +34,13 @@ from torch import nn
 
 from primus_v4 import kernels
 from primus_v4.errors import ConfigError
+from primus_v4.models.common.kept_base import ReleaseWeight, frozen_grouped
+from primus_v4.models.common.recompute import DiscardedPart, selected
 from primus_v4.models.deepseek_v4.compressor import Compressor, build_window_plan
 from primus_v4.models.deepseek_v4.config import LAYER_KINDS, DeepseekV4Config
 from primus_v4.models.deepseek_v4.indexer import Indexer
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
 from primus_v4.models.deepseek_v4.norm import RMSNorm, rms_norm
-from primus_v4.models.deepseek_v4.recompute import DiscardedPart, selected
-from primus_v4.models.deepseek_v4.release_base import ReleaseWeight, frozen_grouped
 from primus_v4.models.deepseek_v4.rope import RotaryEmbedding
 
 

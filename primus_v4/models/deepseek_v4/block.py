@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from primus_v4.models.common.recompute import DiscardedPart, checkpointed, selected
 from primus_v4.models.deepseek_v4.attention import Attention
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.hyper_connection import HyperMixer
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
 from primus_v4.models.deepseek_v4.moe import Dispatcher, MoE, RoutingInputs
 from primus_v4.models.deepseek_v4.norm import RMSNorm
-from primus_v4.models.deepseek_v4.recompute import DiscardedPart, checkpointed, selected
 
 
 def _mixer(cfg: DeepseekV4Config) -> HyperMixer:

@@ -23,13 +23,15 @@ with warnings.catch_warnings():
 from primus_v4.errors import ConfigError
 
 # Shipped as package data (pyproject [tool.setuptools.package-data]): wheels carry them too.
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"  # models.PRESET_DIR
 LAYER_KINDS = {0: "dense", 4: "csa", 128: "hca"}
 
 
 @dataclass(kw_only=True)
 class DeepseekV4Config(TransformerConfig):
     """TransformerConfig + DeepSeek-V4 fields (each documented where declared)."""
+
+    family = "deepseek_v4"  # not a field: the model family (models/__init__.py) of this config
 
     vocab_size: int = 129280
     """Embedding rows and LM-head columns (the DeepSeek-V4 tokenizer has 129280 ids)."""
@@ -92,7 +94,7 @@ class DeepseekV4Config(TransformerConfig):
     """Reserved; kept False."""
 
     def __post_init__(self) -> None:
-        # Selective recompute names this model's parts (models/deepseek_v4/recompute.py);
+        # Selective recompute names this model's parts (models/common/recompute.py);
         # Megatron's checks of its own module list do not apply to them.
         modules, self.recompute_modules = self.recompute_modules, []
         with warnings.catch_warnings():
@@ -100,7 +102,7 @@ class DeepseekV4Config(TransformerConfig):
             super().__post_init__()
         self.recompute_modules = modules
         if self.recompute_granularity == "selective":
-            from primus_v4.models.deepseek_v4.recompute import DEFAULT_MODULES, check_modules
+            from primus_v4.models.common.recompute import DEFAULT_MODULES, check_modules
 
             self.recompute_modules = list(DEFAULT_MODULES if modules is None else modules)
             check_modules(self.recompute_modules)
@@ -167,6 +169,9 @@ class DeepseekV4Config(TransformerConfig):
             known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
             raise ConfigError(f"unknown model preset {name!r}; known presets: {known}")
         values = yaml.safe_load(path.read_text()) or {}
+        family = values.pop("family", cls.family)
+        if family != cls.family:
+            raise ConfigError(f"{path}: family {family!r} is not {cls.family!r}")
         values.update(overrides)
         return cls.from_dict(values, source=str(path))
 

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from primus_v4.data.mtp_shift import IGNORE_LABEL, MtpStreams, mtp_streams
+from primus_v4.kernels.linear_ce import chunked_linear_ce
 from primus_v4.models.deepseek_v4.block import Block, run_block
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.hyper_connection import HyperHead, lift_streams
 from primus_v4.models.deepseek_v4.layout import LocalComm, RowLayout, SeqComm
-from primus_v4.models.deepseek_v4.linear_ce import chunked_linear_ce
 from primus_v4.models.deepseek_v4.moe import Dispatcher, RoutingInputs
-from primus_v4.models.deepseek_v4.mtp import IGNORE_LABEL, MTPDepth, MtpStreams, mtp_streams
+from primus_v4.models.deepseek_v4.mtp import MTPDepth
 from primus_v4.models.deepseek_v4.norm import RMSNorm
 from primus_v4.models.deepseek_v4.weight_init import drawn_values, init_buffers, init_parameters
 
@@ -84,6 +85,9 @@ class DeepseekV4Model(nn.Module):
     Built under `torch.device("meta")` it allocates nothing and draws nothing: a rank cuts its
     stage and expert shard there, then `to_empty` + `init_weights(seed)` materialize only those.
     """
+
+    family = "deepseek_v4"
+    """The model family (models/__init__.py): how `primus_v4.save_pretrained` finds its spec."""
 
     def __init__(
         self,

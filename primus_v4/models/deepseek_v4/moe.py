@@ -17,10 +17,10 @@ from torch import nn
 from primus_v4.kernels.grouped_experts import OP_NAME as GROUPED_EXPERTS
 from primus_v4.kernels.grouped_experts import clamped_swiglu
 from primus_v4.kernels.registry import resolve
+from primus_v4.models.common.kept_base import ReleaseWeight
+from primus_v4.models.common.recompute import checkpointed, selected
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.layout import RowLayout
-from primus_v4.models.deepseek_v4.recompute import checkpointed, selected
-from primus_v4.models.deepseek_v4.release_base import ReleaseWeight
 from primus_v4.models.deepseek_v4.stream_sums import EXACT, float32_linear, weighted_sum
 
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's `ModelSpec`: how the trainer builds, cuts, loads and updates this model."""
+"""DeepSeek-V4's `ModelSpec`: how the rest of the package builds, cuts, loads and updates it."""
 
 from __future__ import annotations
 
@@ -7,13 +7,18 @@ from typing import Any
 
 from torch import nn
 
-from primus_v4.models.deepseek_v4.cp_batch import CpSplitter
+from primus_v4.models.common.kept_base import release_weights
+from primus_v4.models.deepseek_v4.config import LAYER_KINDS, PRESET_DIR, DeepseekV4Config
+from primus_v4.models.deepseek_v4.infra.cp_batch import CpSplitter, required_local_rows
+from primus_v4.models.deepseek_v4.infra.parallelize import is_meta, parallelize
 from primus_v4.models.deepseek_v4.lora import LoraSpec, apply_lora
 from primus_v4.models.deepseek_v4.model import DeepseekV4Model
-from primus_v4.models.deepseek_v4.parallelize import is_meta, parallelize
-from primus_v4.models.deepseek_v4.release_base import keep_release_base
+from primus_v4.models.deepseek_v4.params import param_counts
+from primus_v4.models.deepseek_v4.release import config_json, load, save
+from primus_v4.models.deepseek_v4.release import state_dict_adapter as names
+from primus_v4.models.deepseek_v4.release.kept_base import keep_release_base
 from primus_v4.models.deepseek_v4.router_bias import RouterBiasUpdate
-from primus_v4.models.model_spec import ModelSpec, StepHook
+from primus_v4.models.model_spec import ModelSpec, ReleaseFormat, StepHook
 
 
 def _step_hooks(modules: Iterable[nn.Module], section: Any, *, group: Any = None) -> list[StepHook]:
@@ -36,11 +41,30 @@ def _add_adapters(module: nn.Module, section: Any, *, seed: int) -> int:
 
 SPEC = ModelSpec(
     name="deepseek_v4",
+    title="DeepSeek-V4",
+    preset_dir=PRESET_DIR,
+    config_class=DeepseekV4Config,
+    layer_kinds=LAYER_KINDS,
+    param_counts=param_counts,
     build=DeepseekV4Model,
     parallelize=parallelize,
     is_meta=is_meta,
+    cp_min_rows=required_local_rows,
     cp_splitter=CpSplitter,
     step_hooks=_step_hooks,
     add_adapters=_add_adapters,
     keep_release=keep_release_base,
+    release=ReleaseFormat(
+        read_config=load.read_config,
+        config_json=config_json.config_to_release,
+        config_from_json=names.config_from_release,
+        check=load.check_release,
+        open=load.open_release,
+        rank_loader=load.rank_loader,
+        load=load.load_pretrained,
+        save=save.save_pretrained,
+        write_state=save.write_release_state,
+        names=names,
+        release_weights=lambda model: list(release_weights(model)),
+    ),
 )

@@ -15,12 +15,12 @@ so it never touches loaded state.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from primus_v4.models.common.seeds import param_seed
 from primus_v4.models.deepseek_v4.attention import Attention
 from primus_v4.models.deepseek_v4.compressor import Compressor
 from primus_v4.models.deepseek_v4.hyper_connection import HyperHead, HyperMixer
@@ -43,12 +43,6 @@ _CONSTANTS: tuple[tuple[type[nn.Module], str, float], ...] = (
     (nn.Linear, "bias", 0.0),
 )
 EXPERT_WEIGHTS = ("w_gate_up", "w_down")
-
-
-def param_seed(seed: int, name: str) -> int:
-    """A 63-bit generator seed from (run seed, parameter name), stable across processes."""
-    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def draw_normal(shape: torch.Size, std: float, seed: int, name: str) -> torch.Tensor:

@@ -44,8 +44,8 @@ def test_field_validation(item: str, pattern: str) -> None:
 
 def test_parallel_sizes_against_world_size() -> None:
     cfg = load_config(overrides=["parallel.cp=2", "parallel.ep=4", "train.global_batch_size=4"])
-    sizes = resolve_run(cfg, world=8).sizes
-    assert (sizes.dp, sizes.edp, sizes.num_micro_batches) == (4, 2, 1)
+    run = resolve_run(cfg, world=8)
+    assert (run.sizes.dp, run.sizes.expert_dp, run.num_micro_batches) == (4, 2, 1)
     with pytest.raises(ConfigError, match=r"world size 6 is not divisible by .* = 2 x 2 = 4"):
         resolve_run(load_config(overrides=["parallel.pp=2", "parallel.cp=2"]), world=6)
     with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide dp x cp = 1 x 2 = 2"):

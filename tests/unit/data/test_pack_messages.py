@@ -6,10 +6,10 @@ any build."""
 from __future__ import annotations
 
 import fcntl
-import sys
 from pathlib import Path
 
 import pytest
+from faults import captured_logs, read_only_dir
 
 from primus_v4.cli import main
 from primus_v4.config import load_config
@@ -17,9 +17,6 @@ from primus_v4.config.resolve import pack_spec
 from primus_v4.data import cache
 from primus_v4.data.pipeline import PackSpec, build_or_load, pack_key
 from primus_v4.errors import DataError, ExitCode
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
-from faults import captured_logs, read_only_dir
 
 SMALL = "synthetic:rows=60,seed=5"
 

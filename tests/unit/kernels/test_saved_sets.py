@@ -18,9 +18,9 @@ from primus_v4.kernels import turbo
 from primus_v4.kernels.registry import ENV_VAR
 from primus_v4.kernels.saved_sets import attention_beyond_reference, planned_attention_backend
 from primus_v4.kernels.sparse_attention import sparse_attention_torch, sparse_attention_triton
+from primus_v4.memory.plan import saved_parts
+from primus_v4.memory.saved_bytes import SavedBytes
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
-from primus_v4.training.memory_plan import saved_parts
-from primus_v4.training.saved_bytes import SavedBytes
 
 
 class _SparseMLAStandIn(torch.autograd.Function):

@@ -1,5 +1,6 @@
-"""The package's import graph: the layer contract (pyproject.toml [tool.importlinter]) holds,
-catches a back-arrow, and the graph has no cycle, function-local imports included."""
+"""The package's import graph: the layer and model-seam contracts (pyproject.toml
+[tool.importlinter]) hold, each catches its violation, and the graph has no cycle,
+function-local imports included."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ REPO = Path(__file__).resolve().parents[3]
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:
     lint = Path(sys.executable).with_name("lint-imports")
     return subprocess.run(
-        [str(lint), "--config", str(root / "pyproject.toml"), "--no-cache"],
+        [str(lint), str(root / "pyproject.toml"), "--no-cache"],
         cwd=root,
         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
         capture_output=True,
@@ -28,7 +29,7 @@ def _lint_imports(root: Path) -> subprocess.CompletedProcess:
 def test_layer_contract_is_kept() -> None:
     done = _lint_imports(REPO)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 kept, 0 broken" in done.stdout
+    assert "2 kept, 0 broken" in done.stdout
 
 
 def test_a_back_import_breaks_the_contract(tmp_path: Path) -> None:
@@ -41,6 +42,18 @@ def test_a_back_import_breaks_the_contract(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "BROKEN" in done.stdout
     assert "primus_v4.data.thd -> primus_v4.training.trainer" in done.stdout
+
+
+def test_a_model_family_import_above_models_breaks_the_seam(tmp_path: Path) -> None:
+    """The trainer naming DeepSeek-V4 directly (not through its spec) fails the lint step."""
+    shutil.copytree(REPO / "primus_v4", tmp_path / "primus_v4")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    trainer = tmp_path / "primus_v4" / "training" / "trainer.py"
+    trainer.write_text(trainer.read_text() + "\n\nimport primus_v4.models.deepseek_v4  # noqa\n")
+    done = _lint_imports(tmp_path)
+    assert done.returncode != 0
+    assert "the model seam: nothing outside models/ imports a model family BROKEN" in done.stdout
+    assert "primus_v4.training.trainer -> primus_v4.models.deepseek_v4" in done.stdout
 
 
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:

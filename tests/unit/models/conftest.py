@@ -18,7 +18,7 @@ def _one_torch_thread():
 @pytest.fixture
 def ce_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Row count of every chunk the fused LM-head CE computes, in call order (tests clear it)."""
-    import primus_v4.models.deepseek_v4.linear_ce as loss_mod
+    import primus_v4.kernels.linear_ce as loss_mod
 
     seen: list[int] = []
     real_chunk_ce = loss_mod._chunk_ce

@@ -23,7 +23,10 @@ def test_dims_derive_dp_and_expert_dp() -> None:
     [
         ({"world": 4, "tp": 2}, "tensor parallelism is deliberately absent"),
         ({"world": 4, "etp": 2}, "tensor parallelism is deliberately absent"),
-        ({"world": 6, "pp": 4}, r"world size 6 is not divisible by pp x cp = 4 x 1 = 4"),
+        (
+            {"world": 6, "pp": 4},
+            r"world size 6 is not divisible by parallel.pp x parallel.cp = 4 x 1 = 4",
+        ),
         ({"world": 4, "pp": 2, "ep": 4}, r"ep=4 must divide dp x cp = 2 x 1 = 2"),
         ({"world": 0}, "parallel.world must be a positive integer"),
     ],
@@ -36,7 +39,9 @@ def test_dims_errors_name_the_numbers(sizes: dict, message: str) -> None:
 def test_model_checks() -> None:
     d = ParallelDims(world=24, pp=3, ep=8)
     d.check_model(num_layers=43, num_experts=256, pp_layout=FLASH, mtp_num_layers=1)
-    with pytest.raises(ConfigError, match="num_moe_experts 250 is not divisible by ep 8"):
+    with pytest.raises(
+        ConfigError, match=r"parallel\.ep=8 must divide the model's num_moe_experts=250"
+    ):
         d.check_model(num_layers=43, num_experts=250, mtp_num_layers=1)
     with pytest.raises(ConfigError, match=r"places 43 decoder layers .* num_layers=42"):
         d.check_model(num_layers=42, num_experts=256, pp_layout=FLASH, mtp_num_layers=1)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
+from primus_v4.models.deepseek_v4.infra.parallelize import shard_moe
+from primus_v4.models.deepseek_v4.infra.pipeline_stage import build_stage
 from primus_v4.models.deepseek_v4.moe import MoE
-from primus_v4.models.deepseek_v4.parallelize import shard_moe
-from primus_v4.models.deepseek_v4.pipeline_stage import build_stage
 from primus_v4.parallel.groups import Axis
 from primus_v4.parallel.pipeline_layout import plan_stages
 

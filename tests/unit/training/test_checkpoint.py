@@ -13,10 +13,10 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from primus_v4.parallel.groups import ParallelContext
-from primus_v4.training import checkpoint
-from primus_v4.training.checkpoint import CheckpointManager
-from primus_v4.training.lr_schedule import warmup_cosine
-from primus_v4.training.zero import ShardedAdamW
+from primus_v4.training.checkpoint import store as checkpoint
+from primus_v4.training.checkpoint.store import CheckpointManager
+from primus_v4.training.optim.lr_schedule import warmup_cosine
+from primus_v4.training.optim.zero import ShardedAdamW
 
 HERE = Path(__file__).resolve().parent
 

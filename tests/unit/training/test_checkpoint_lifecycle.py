@@ -21,9 +21,9 @@ from test_run_checkpoints import full as full  # the module-scoped uninterrupted
 from primus_v4.cli import main
 from primus_v4.commands.train import execute
 from primus_v4.errors import ExitCode, ResumeError
-from primus_v4.training import checkpoint_integrity as integrity
-from primus_v4.training.checkpoint import step_dir
-from primus_v4.training.metrics import read_metrics
+from primus_v4.training.checkpoint import integrity
+from primus_v4.training.checkpoint.store import step_dir
+from primus_v4.training.metrics.writer import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,8 @@ def _full_by_rlimit(tmp_path: Path, limit) -> None:
 
     here = Path(__file__).parent
     code = (
-        f"import sys; sys.path.insert(0, {str(here)!r}); from pathlib import Path\n"
+        f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parents[1] / 'helpers')!r}]\n"
+        "from pathlib import Path\n"
         "from test_run_checkpoints import _run\nfrom primus_v4.errors import PrimusError\n"
         f"try: _run(Path({str(tmp_path)!r}), 'train.steps=2', 'checkpoint.interval=1')\n"
         "except PrimusError as e: print(e, file=sys.stderr); sys.exit(int(e.exit_code))\n"

@@ -13,7 +13,7 @@ from train_fakes import RAGGED_PACKS, FakeCorpus, FakeLM, tiny_run
 from primus_v4.config import load_config, resolve_run
 from primus_v4.data import holdout
 from primus_v4.errors import ConfigError
-from primus_v4.training.metrics import read_metrics
+from primus_v4.training.metrics.writer import read_metrics
 from primus_v4.training.trainer import Trainer
 
 EVAL_PACKS = [[120, 60], [200], [90, 90, 70]]

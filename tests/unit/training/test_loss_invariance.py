@@ -33,7 +33,7 @@ def test_accumulation_equals_one_backward_of_the_summed_loss(tmp_path: Path) -> 
     packs = [[60, 40, 20], [120], [33, 70], [50, 50, 20]]
     trainer = Trainer(run, corpus=FakeCorpus(packs, seq_length=128))
     rows = trainer.source.rows(0)
-    assert len(rows) == 4 and run.sizes.num_micro_batches == 4
+    assert len(rows) == 4 and run.num_micro_batches == 4
 
     step = trainer.forward_backward(rows)  # 4 micro-batches, 4 backward calls
     accumulated = _grads(trainer)

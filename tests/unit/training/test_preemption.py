@@ -15,7 +15,7 @@ import pytest
 from test_run_checkpoints import KEYS, _run
 
 from primus_v4.cli import main
-from primus_v4.training.metrics import read_metrics
+from primus_v4.training.metrics.writer import read_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("preempt_worker.py")

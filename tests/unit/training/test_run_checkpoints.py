@@ -18,9 +18,9 @@ from train_fakes import RAGGED_PACKS, FakeCorpus, FakeLM, tiny_run
 
 from primus_v4.cli import main
 from primus_v4.errors import CheckpointError, ResumeError
-from primus_v4.training.checkpoint import step_dir
-from primus_v4.training.lr_schedule import warmup_cosine
-from primus_v4.training.metrics import read_metrics
+from primus_v4.training.checkpoint.store import step_dir
+from primus_v4.training.metrics.writer import read_metrics
+from primus_v4.training.optim.lr_schedule import warmup_cosine
 
 STEPS = ("train.steps=6", "train.warmup_steps=1", "train.global_batch_size=2")
 KEYS = ("loss", "mtp_loss", "aux_loss", "grad_norm", "lr")
@@ -155,7 +155,7 @@ def test_changed_schedule_is_the_new_one_from_the_resumed_step(full: Path, tmp_p
 
 
 def test_resume_with_other_model_parallel_sizes_is_an_error(full: Path, tmp_path: Path) -> None:
-    from primus_v4.training.run_checkpoints import check_resumable
+    from primus_v4.training.checkpoint.lifecycle import check_resumable
 
     saved = step_dir(full / "ckpt", 2)
     cfg = _trainer(tmp_path).cfg

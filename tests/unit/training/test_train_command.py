@@ -10,7 +10,7 @@ import pytest
 
 from primus_v4.commands import train
 from primus_v4.config import load_config
-from primus_v4.training.metrics import read_metrics
+from primus_v4.training.metrics.writer import read_metrics
 
 
 def test_train_command_runs_the_real_pipeline(

@@ -14,16 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from train_fakes import RAGGED_PACKS, FakeCorpus, tiny_run
+from lora_runs import lora_trainer as _trainer
 
-from primus_v4.training.checkpoint import LATEST, step_dir
-from primus_v4.training.trainer import Trainer
+from primus_v4.training.checkpoint.store import LATEST, step_dir
 
-LORA = ("model.lora.rank=8", "model.lora.alpha=16", "train.global_batch_size=2",
-        "train.warmup_steps=1", "train.lr=0.01")  # fmt: skip
 ADAPTER_SUFFIXES = ("lora_A", "lora_B", "gate_A", "gate_B", "up_A", "up_B", "down_A", "down_B")
-
-
 BASES = pytest.mark.parametrize("base", ["bfloat16", "release"])
 
 
@@ -38,11 +33,6 @@ def _digest(model: torch.nn.Module, names: set[str]) -> str:
 def _kept(model: torch.nn.Module) -> set[str]:
     """Names of the byte buffers of the weights kept as released."""
     return {n for n, _ in model.named_buffers() if n.endswith((".q", ".scale"))}
-
-
-def _trainer(tmp: Path, name: str, *settings: str) -> Trainer:
-    run = tiny_run(tmp / name, *LORA, f"checkpoint.dir={tmp / name / 'ckpt'}", *settings)
-    return Trainer(run, corpus=FakeCorpus(RAGGED_PACKS))
 
 
 def _checkpoint_keys(path: Path) -> dict[str, torch.Size]:

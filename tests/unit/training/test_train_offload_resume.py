@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from primus_v4.commands import train
-from primus_v4.training.checkpoint import LATEST, step_dir
-from primus_v4.training.metrics import read_metrics
+from primus_v4.training.checkpoint.store import LATEST, step_dir
+from primus_v4.training.metrics.writer import read_metrics
 
 
 def _train(tmp: Path, name: str, *settings: str) -> list[dict]:

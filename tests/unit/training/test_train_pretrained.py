@@ -22,7 +22,7 @@ from pretrained_runs import VOCAB, run_command, train_one_step, write_pretrained
 
 from primus_v4.commands import export
 from primus_v4.config import load_config, resolve_run
-from primus_v4.training.metrics import read_metrics
+from primus_v4.training.metrics.writer import read_metrics
 
 REL_TOL = 1e-5  # float32; packed vs alone and our vs HF summation order (~3e-6 on logits)
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from pretrained_runs import run_command, train_items, train_one_step, write_pretrained
 
+from primus_v4 import load_pretrained
 from primus_v4.commands import export, train
 from primus_v4.config import load_config
 from primus_v4.errors import ConfigError
-from primus_v4.pretrained import load_pretrained
-from primus_v4.training.metrics import read_metrics
+from primus_v4.training.metrics.writer import read_metrics
 
 
 @pytest.fixture(scope="module")

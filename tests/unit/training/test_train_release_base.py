@@ -12,9 +12,9 @@ import pytest
 import torch
 from pretrained_runs import run_command, train_items, write_pretrained
 
+from primus_v4 import load_pretrained, save_pretrained
 from primus_v4.commands import train
 from primus_v4.errors import CheckpointFormatError
-from primus_v4.pretrained import load_pretrained, save_pretrained
 
 LORA = ["model.lora.rank=8", "model.lora.alpha=16", "train.lr=0.02", "model.dtype=bfloat16"]
 

@@ -12,7 +12,7 @@ from train_fakes import RAGGED_PACKS, FakeCorpus, FakeLM, fake_trainer, tiny_run
 
 from primus_v4.config import load_config
 from primus_v4.errors import ConfigError
-from primus_v4.training.metrics import read_metrics
+from primus_v4.training.metrics.writer import read_metrics
 from primus_v4.training.trainer import NonFiniteError, Trainer
 
 METRIC_KEYS = {

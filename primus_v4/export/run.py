@@ -1,0 +1,281 @@
+"""Training checkpoint (DCP, any parallel layout) -> the release layout (bf16 or FP8 + FP4).
+
+DCP stores each of our tensors once under `model.<name>` with its global shape (expert shards
+are dim-0 DTensor shards of the global [E, ...] tensor; pipeline stages hold disjoint names), so
+one process reads them back at any layout. The export streams: one layer's tensors are read at
+a time, renamed and reshaped by the model family's name table (its release format's `names`),
+quantized if asked and written into bounded shards (`write_state`), so memory stays about one
+layer plus one shard. The checkpoint is verified first, as resume verifies it
+(checkpoint_integrity.problems); its own model_config.json (or, saved without one, its own
+config.yaml) gives the model config; the tokenizer files of the run travel along. A LoRA run's
+adapters are merged into its base (export_lora.py), or written alone in PEFT's format
+(`export_adapters`, export_peft.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from primus_v4.checkpoint_formats.sharded import ExportDtype, WriteSummary, tokenizer_files
+from primus_v4.config import RunConfig, load_config
+from primus_v4.config.resolve import model_config, tokenizer_of
+from primus_v4.data.tokenizer import resolve_tokenizer_dir
+from primus_v4.errors import CheckpointError, ConfigError, describe_os_error
+from primus_v4.export.lora import base_reader, is_adapter, load_group, merged_state
+from primus_v4.export.peft import (
+    PeftSummary,
+    adapter_config,
+    block_tensors,
+    router_tensors,
+    write_peft,
+)
+from primus_v4.log import get_logger
+from primus_v4.models import release_spec, spec_of
+from primus_v4.training.checkpoint import integrity
+from primus_v4.training.checkpoint.lifecycle import CONFIG_FILE, MODEL_CONFIG_FILE
+from primus_v4.training.checkpoint.store import check_layout, step_dir
+
+log = get_logger(__name__)
+MODEL_PREFIX = "model."
+
+
+class ExportError(CheckpointError):
+    """The training checkpoint cannot be exported (missing, damaged, or another model)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ExportSource:
+    """A verified training checkpoint and the run config stored in it."""
+
+    checkpoint: Path
+    run: RunConfig
+    config_file: Path
+
+
+def _present(root: Path) -> str:
+    steps = sorted(d.name for d in root.glob("step_*")) if root.is_dir() else []
+    return ", ".join(steps) or "none"
+
+
+def _checkpoint_root(p: Path) -> Path:
+    """The checkpoint dir of `--run`: the dir itself when it holds step dirs, else the
+    checkpoint.dir its config.yaml names (a run's output dir)."""
+    if any(p.glob("step_*")):
+        return p
+    config_file = p / CONFIG_FILE
+    if not config_file.is_file():
+        raise ExportError(
+            f"{p}: holds no step_* checkpoints and no {CONFIG_FILE}; pass a run's output dir, "
+            "its checkpoint.dir or one step_XXXXXXXX dir"
+        )
+    ck_dir = load_config(config_file).checkpoint.dir
+    if not ck_dir:
+        raise ExportError(f"{config_file}: checkpoint.dir is unset, so the run saved nothing")
+    return Path(ck_dir)  # as the trainer saw it (relative to the launch dir)
+
+
+def _verified(checkpoint: Path) -> ExportSource:
+    """`checkpoint` after the integrity check every reader makes, with its own config."""
+    problems = integrity.problems(checkpoint, needs_config=True)
+    if problems:
+        raise ExportError(
+            f"cannot export {checkpoint}: {'; '.join(problems)}. Export another step "
+            f"(present: {_present(checkpoint.parent)})"
+        )
+    config_file = checkpoint / CONFIG_FILE
+    return ExportSource(
+        checkpoint=checkpoint, run=load_config(config_file), config_file=config_file
+    )
+
+
+def find_source(path: str | os.PathLike, step: int | None = None) -> ExportSource:
+    """Resolve `--run` (a run output dir, a checkpoint dir, or one step's dir) and `--step` to a
+    verified checkpoint: without --step the newest intact one (an unusable newer one is named
+    and skipped, as resume does); a named step or step dir is exported only when intact."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ExportError(f"{p}: not a directory (pass a run's output dir or checkpoint dir)")
+    if p.name.startswith("step_") or (p / ".metadata").is_file():  # one step's checkpoint
+        if step is not None:
+            raise ExportError(f"{p} is already one step's checkpoint; drop --step {step}")
+        return _verified(p)
+    root = _checkpoint_root(p)
+    if step is not None:
+        chosen = step_dir(root, step)
+        if not chosen.is_dir():
+            raise ExportError(f"{root}: no step {step} (present: {_present(root)})")
+        return _verified(chosen)
+    newest = integrity.newest_intact(root, needs_config=True)
+    if newest is None:
+        raise ExportError(f"{root}: no complete checkpoint (present: {_present(root)})")
+    return _verified(newest)
+
+
+def model_config_of(source: ExportSource) -> Any:
+    """The model the checkpoint holds: its own release config (checksummed with it), or for a
+    checkpoint saved without one the model its own config.yaml describes."""
+    stored = source.checkpoint / MODEL_CONFIG_FILE
+    if stored.is_file():
+        release = release_spec(stored).release
+        return release.config_from_json(json.loads(stored.read_text()), source=str(stored))
+    return model_config(source.run)
+
+
+def _stored_model_tensors(checkpoint: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Our tensor name -> (global shape, dtype) as the DCP metadata records them (after the
+    checkpoint's model layout is checked to be this version's)."""
+    check_layout(checkpoint)
+    meta = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    out = {}
+    for key, m in meta.items():
+        if key.startswith(MODEL_PREFIX) and hasattr(m, "size"):
+            out[key[len(MODEL_PREFIX) :]] = (m.size, m.properties.dtype)
+    return out
+
+
+def _check_names(cfg: Any, stored: dict, checkpoint: Path) -> None:
+    table = spec_of(cfg).release.names.name_table(cfg)
+    missing = [n for n in table if n not in stored]
+    unknown = [n for n in stored if n not in table]
+    wrong = [
+        f"{n} {list(stored[n][0])} (config: {list(table[n].shape)})"
+        for n in table
+        if n in stored and tuple(stored[n][0]) != tuple(table[n].shape)
+    ]
+    if missing or unknown or wrong:
+        raise ExportError(
+            f"{checkpoint}: does not hold the model of its config.yaml: missing {missing[:8]}, "
+            f"unknown {unknown[:8]}, shape mismatches {wrong[:8]}"
+        )
+
+
+def _check_adapters(cfg: Any, stored: dict, checkpoint: Path) -> None:
+    """A LoRA checkpoint holds adapters and the model's buffers, nothing else."""
+    table = spec_of(cfg).release.names.name_table(cfg)
+    stray = [n for n in stored if not is_adapter(n) and n not in table]
+    if stray or not any(is_adapter(n) for n in stored):
+        raise ExportError(
+            f"{checkpoint}: not the adapters of a LoRA run of its config.yaml (model.lora): "
+            f"unknown tensors {stray[:8]}"
+            if stray
+            else f"{checkpoint}: holds no adapter"
+        )
+
+
+def _groups(names: list[str]) -> list[list[str]]:
+    """Tensors read together: one decoder layer or MTP depth at a time, the rest together."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        key = ".".join(parts[:2]) if parts[0] in ("layers", "mtp") else ""
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def _stored_state(checkpoint: Path, groups: list[list[str]], stored: dict) -> Iterator[dict]:
+    for group in groups:
+        yield load_group(checkpoint, group, stored)
+
+
+def export_checkpoint(
+    source: ExportSource,
+    out: str | os.PathLike,
+    *,
+    dtype: ExportDtype = "bfloat16",
+    max_shard_bytes: int = 5 * 2**30,
+    progress: Callable[[int], None] | None = None,
+) -> WriteSummary:
+    """Write `source` as a release directory at `out` (atomic; see the module docstring)."""
+    cfg = model_config_of(source)
+    stored = _stored_model_tensors(source.checkpoint)
+    groups = _groups(list(spec_of(cfg).release.names.name_table(cfg)))
+    if source.run.model.lora.rank:  # adapters + buffers: merged into the base as they stream
+        _check_adapters(cfg, stored, source.checkpoint)
+        pieces = merged_state(cfg, source.run, source.checkpoint, stored, groups)
+    else:
+        _check_names(cfg, stored, source.checkpoint)
+        pieces = _stored_state(source.checkpoint, groups, stored)
+    tokenizer_dir = resolve_tokenizer_dir(tokenizer_of(source.run))
+    try:  # the writer removes its temp dir on any failure: nothing partial is left
+        summary = spec_of(cfg).release.write_state(
+            cfg,
+            pieces,
+            out,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            extra_files=tokenizer_files(tokenizer_dir),
+            progress=progress,
+        )
+    except OSError as exc:
+        error = describe_os_error(exc, "cannot write")
+        raise type(error)(f"export of {source.checkpoint} to {out}: {error}; nothing was left "
+                          "there") from exc  # fmt: skip
+    log.info("exported %s -> %s (%s, %d shards)", source.checkpoint, out, dtype, summary.shards)
+    return summary
+
+
+def export_adapters(
+    source: ExportSource, out: str | os.PathLike, *, dtype: torch.dtype | None = None
+) -> PeftSummary:
+    """Write the adapters of LoRA checkpoint `source` in PEFT's format at `out` (export_peft.py):
+    one decoder layer read at a time; the MTP blocks' adapters are counted, not written; the
+    routers travel too when the run moved their bias."""
+    lora = source.run.model.lora
+    if not lora.rank:
+        raise ConfigError(
+            f"{source.config_file}: model.lora.rank is 0, so the run trained no adapters; "
+            "--format peft exports a LoRA run's adapters (use --format release)"
+        )
+    cfg = model_config_of(source)
+    stored = _stored_model_tensors(source.checkpoint)
+    _check_adapters(cfg, stored, source.checkpoint)
+    mtp = [n for n in stored if is_adapter(n) and n.startswith("mtp.")]
+    routers = source.run.model.router_bias_update_rate > 0  # the run moved gate.bias
+
+    def wanted(name: str) -> bool:
+        return is_adapter(name) or (routers and ".moe.router." in name)
+
+    def layers() -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        with base_reader(cfg, source.run) if routers else nullcontext() as read:
+            for group in _groups([n for n in stored if n.startswith("layers.") and wanted(n)]):
+                index = int(group[0].split(".")[1])
+                prefix = f"layers.{index}."
+                own = load_group(source.checkpoint, group, stored)
+                if read is not None:  # the router's weight is the base's (frozen)
+                    own |= read([f"{prefix}moe.router.weight"])
+                own = {n.removeprefix(prefix): t for n, t in own.items()}
+                tensors = block_tensors(
+                    {n: t for n, t in own.items() if is_adapter(n)}, lora.targets,
+                    cfg.num_moe_experts,
+                )  # fmt: skip
+                yield index, tensors | router_tensors(own)
+
+    config = adapter_config(lora, cfg.o_groups, source.run.model.pretrained, routers)
+    tokenizer = tokenizer_files(resolve_tokenizer_dir(tokenizer_of(source.run)))
+    try:
+        summary = write_peft(
+            out, layers(), config, dtype=dtype, extra_files=tokenizer, left_out=len(mtp)
+        )
+    except OSError as exc:
+        error = describe_os_error(exc, "cannot write")
+        raise type(error)(f"export of {source.checkpoint} to {out}: {error}; nothing was left "
+                          "there") from exc  # fmt: skip
+    log.info("exported the adapters of %s -> %s (PEFT, %d tensors; %d MTP adapter tensors left "
+             "out)", source.checkpoint, out, summary.tensors, summary.left_out)  # fmt: skip
+    return summary
+
+
+def release_tensor_count(source: ExportSource) -> int:
+    """How many logical release tensors an export of `source` writes (the progress total)."""
+    return len(
+        spec_of(model_config_of(source)).release.names.release_tensors(model_config_of(source))
+    )

@@ -1,0 +1,1 @@
+"""What every model family reuses: selective recompute, LoRA adapters, the kept release base."""

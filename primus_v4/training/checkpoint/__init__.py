@@ -1,0 +1,1 @@
+"""Training checkpoints: DCP save/load, integrity (manifest, verify), the run's lifecycle."""
