@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 from primus_v4.config.schema import RunConfig
 from primus_v4.data.pipeline import PackSpec
 from primus_v4.errors import CheckpointFormatError, ConfigError, DataError
-from primus_v4.models import DEFAULT_FAMILY, model_spec, presets, release_family, spec_of
+from primus_v4.models import (
+    DEFAULT_FAMILY,
+    check_family,
+    model_spec,
+    presets,
+    release_family,
+    spec_of,
+)
 from primus_v4.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -81,6 +88,11 @@ def model_family(cfg: RunConfig) -> str:
     """The run's model family: the release's config.json `model_type` with `model.pretrained`,
     else `model.family`; both given must agree."""
     named = cfg.model.family
+    if named is not None:
+        try:
+            check_family(named)
+        except ConfigError as exc:
+            raise ConfigError(f"model.family: {exc}") from None
     if cfg.model.pretrained is None:
         preset = cfg.model.preset or "tiny"
         found = presets().get(preset, named or DEFAULT_FAMILY)

@@ -29,13 +29,18 @@ UNSUPPORTED: dict[str, str] = {
 """model types we know and cannot build yet, with the one line that says so."""
 
 
-def model_spec(name: str = DEFAULT_FAMILY) -> ModelSpec:
-    """The spec of the model family `name`."""
+def check_family(name: str) -> str:
+    """`name` if it is a family this version builds (torch-free), else one line saying why."""
     if name in UNSUPPORTED:
         raise ConfigError(f"model family {name!r}: {UNSUPPORTED[name]}")
     if name not in FAMILIES:
         raise ConfigError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
-    return importlib.import_module(FAMILIES[name]).SPEC
+    return name
+
+
+def model_spec(name: str = DEFAULT_FAMILY) -> ModelSpec:
+    """The spec of the model family `name`."""
+    return importlib.import_module(FAMILIES[check_family(name)]).SPEC
 
 
 def release_family(path: str | os.PathLike) -> str:

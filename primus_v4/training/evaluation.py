@@ -19,7 +19,7 @@ import torch
 
 from primus_v4.data.thd import ThdBatch
 from primus_v4.training.batches import Corpus
-from primus_v4.training.loss import StepLoss, count_tokens, reduce_counts
+from primus_v4.training.loss import StepLoss
 
 
 class Evaluator:
@@ -51,19 +51,14 @@ class Evaluator:
         """{"eval_loss", "eval_mtp_loss"} of the trainer's current weights."""
         rt = trainer.runtime
         rows, forwards = self._share(rt.dp_rank, rt.dp_size)
-        local = (
-            trainer.cp.token_counts(rows)
-            if trainer.cp is not None
-            else count_tokens(rows, mtp_depths=trainer.mtp_depths)
-        )
-        step_loss = StepLoss(reduce_counts(local, rt.count_group), mtp_scale=trainer.mtp_scale)
+        step_loss = StepLoss(trainer.token_counts(rows), mtp_scale=trainer.mtp_scale)
         was_training = trainer.model.training
         trainer.model.eval()
         try:
             for k in range(forwards):
                 row = rows[k] if k < len(rows) else self._row(0)
                 counted = k < len(rows)  # the padding forward of a short share is not counted
-                inputs = trainer._model_inputs(row)
+                inputs = trainer.model_inputs(row)
                 if trainer.pipeline is not None:
                     trainer.pipeline.forward_only(
                         inputs, step_loss if counted else None, samples=row.num_samples

@@ -10,7 +10,7 @@ optimizer step, one metrics row.
 Where the parallel pieces plug in (identities in one process):
   * `init_runtime`   process groups from the launcher env (torchrun: gloo / RCCL).
   * `_parallelize`   pipeline stage + schedule, expert shards (training/build.py, the spec).
-  * `_model_inputs`  CP slicing of the pack (rows, global cu_seqlens, MTP streams).
+  * `model_inputs`   CP slicing of the pack (rows, global cu_seqlens, MTP streams).
   * `Runtime.ctx`     the rank's ParallelContext: token-count and gradient reductions.
   * `_checkpoints`   save / resume (primus_v4.training.checkpoint.store).
 """
@@ -33,7 +33,7 @@ from torch import nn
 from primus_v4.config import ResolvedRun, write_resolved
 from primus_v4.config.resolve import check_pretrained, train_steps
 from primus_v4.data.pipeline import build_or_load
-from primus_v4.data.thd import ThdBatch, to_packed_seq_params
+from primus_v4.data.thd import ThdBatch
 from primus_v4.errors import PrimusError
 from primus_v4.log import get_logger
 from primus_v4.models import spec_of
@@ -41,7 +41,7 @@ from primus_v4.training.batches import BatchSource, Corpus
 from primus_v4.training.build import assemble, meta_model
 from primus_v4.training.checkpoint.lifecycle import RunCheckpoints, check_steps
 from primus_v4.training.evaluation import Evaluator
-from primus_v4.training.loss import StepLoss, count_tokens, reduce_counts
+from primus_v4.training.loss import StepLoss, reduce_counts
 from primus_v4.training.metrics.history import keep_rows_through, read_history
 from primus_v4.training.metrics.writer import (
     MetricsWriter,
@@ -247,9 +247,9 @@ class Trainer:
         return self.spec.release.rank_loader(directory, progress=show)
 
     def _context_parallel(self) -> Any:
-        """CP > 1: the splitter that gives this rank its contiguous rows of every pack."""
-        if self.runtime.ctx.cp.size == 1:
-            return None
+        """The one path from a pack to model inputs, for every CP size: this rank's contiguous
+        rows of each pack (all of them at cp = 1), global cu_seqlens, globally shifted MTP
+        streams, and this rank's share of the token counts."""
         return self.spec.cp_splitter(
             self.runtime.ctx.cp,
             self.run.model,
@@ -258,45 +258,30 @@ class Trainer:
             seq_length=self.cfg.data.seq_length,
         )
 
-    def _model_inputs(self, row: ThdBatch) -> dict[str, Any]:
-        """Keyword inputs of one row ([1, S]); THD passes packing metadata, BSHD does not (the
-        padded row is one causal sequence whose trailing padding no real token can see)."""
-        dev = self.runtime.device
-        if self.cp is not None:
-            return self.cp.model_inputs(row)
-        psp = None
-        if self.cfg.packed:
-            psp = to_packed_seq_params(row)
-            psp.cu_seqlens_q = psp.cu_seqlens_q.to(dev)
-            psp.cu_seqlens_kv = psp.cu_seqlens_kv.to(dev)
-        return {
-            "input_ids": row.input_ids_S[None].to(dev),
-            "position_ids": row.position_ids_S[None].to(dev),
-            "packed_seq_params": psp,
-            "labels": row.labels_S[None].to(dev),
-            "loss_mask": row.loss_mask_S[None].to(dev),
-            "padding_mask": row.padding_mask_S[None].to(dev),
-        }
+    def token_counts(self, rows: list[ThdBatch]) -> Any:
+        """This rank's token counts of a step's rows, summed over the count group."""
+        return reduce_counts(self.cp.token_counts(rows), self.runtime.count_group)
+
+    def model_inputs(self, row: ThdBatch) -> dict[str, Any]:
+        """Keyword inputs of one row ([1, T] this rank's rows); THD passes packing metadata, BSHD
+        does not (the padded row is one causal sequence whose trailing padding no real token
+        can see)."""
+        return self.cp.model_inputs(row)
 
     def forward_backward(self, rows: list[ThdBatch]) -> StepLoss:
         """Accumulate gradients of the step's global token-mean loss over this rank's rows."""
-        counts = reduce_counts(
-            self.cp.token_counts(rows)
-            if self.cp is not None
-            else count_tokens(rows, mtp_depths=self.mtp_depths),
-            self.runtime.count_group,
-        )
+        counts = self.token_counts(rows)
         step_loss = StepLoss(counts, mtp_scale=self.mtp_scale)
         self.optimizer.begin(len(rows))  # buckets reduce as the last micro-batch's backward ends
         if self.pipeline is not None:
             self.pipeline.run(
-                [self._model_inputs(row) for row in rows],
+                [self.model_inputs(row) for row in rows],
                 step_loss,
                 samples=[row.num_samples for row in rows],
             )
         else:
             for row in rows:
-                out = self.model(**self._model_inputs(row))
+                out = self.model(**self.model_inputs(row))
                 step_loss.objective(out, samples=row.num_samples).backward()
         # Every trainable parameter has an fp32 gradient (zeros when no token reached it, e.g.
         # an expert nobody routed to), summed over its replicas into this rank's shard.

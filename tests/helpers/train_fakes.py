@@ -95,7 +95,7 @@ class FakeLM(torch.nn.Module):
         return torch.where(mask > 0, ce * mask, 0.0).sum()
 
     def forward(self, input_ids, position_ids, *, packed_seq_params, labels, loss_mask,
-                padding_mask) -> ModelOutput:  # fmt: skip
+                padding_mask, comm=None, mtp_inputs=None) -> ModelOutput:  # fmt: skip
         h = self.embedding(input_ids[0])
         cu = (
             packed_seq_params.cu_seqlens_q

@@ -49,7 +49,7 @@ def _direct_eval(trainer: Trainer, corpus: FakeCorpus) -> tuple[float, float]:
     """Sum of CE over every eval pack / their supervised tokens (and the same for MTP)."""
     loss = tokens = mtp = mtp_tokens = 0.0
     for i in range(len(corpus)):
-        out = trainer.model(**trainer._model_inputs(corpus.thd_batch(i)))
+        out = trainer.model(**trainer.model_inputs(corpus.thd_batch(i)))
         loss += float(out.loss_sum)
         tokens += float(out.num_tokens)
         mtp += float(out.mtp_loss_sums[0])

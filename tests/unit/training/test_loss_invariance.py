@@ -41,7 +41,7 @@ def test_accumulation_equals_one_backward_of_the_summed_loss(tmp_path: Path) -> 
 
     # Reference: the same 4 packs in one graph, one backward of the global token-mean loss.
     trainer.model.zero_grad(set_to_none=True)
-    outs = [trainer.model(**trainer._model_inputs(r)) for r in rows]
+    outs = [trainer.model(**trainer.model_inputs(r)) for r in rows]
     counts = count_tokens(rows, mtp_depths=1)
     main = sum(o.loss_sum for o in outs) / counts.supervised
     mtp = sum(o.mtp_loss_sums[0] for o in outs) / counts.mtp[0]

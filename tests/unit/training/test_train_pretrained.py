@@ -14,27 +14,16 @@ import itertools
 import json
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from pretrained_runs import VOCAB, run_command, train_one_step, write_pretrained
+from pretrained_runs import VOCAB, run_command
 
 from primus_v4.commands import export
 from primus_v4.config import load_config, resolve_run
 from primus_v4.training.metrics.writer import read_metrics
 
 REL_TOL = 1e-5  # float32; packed vs alone and our vs HF summation order (~3e-6 on logits)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_pretrained(tmp_path_factory.mktemp("pretrained") / "release")
-
-
-@pytest.fixture(scope="module")
-def trained(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_one_step(checkpoint, tmp_path_factory.mktemp("train"))
 
 
 def _hf(path: Path):

@@ -12,23 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from pretrained_runs import run_command, train_items, train_one_step, write_pretrained
+from pretrained_runs import run_command, train_items
 
 from primus_v4 import load_pretrained
 from primus_v4.commands import export, train
 from primus_v4.config import load_config
 from primus_v4.errors import ConfigError
 from primus_v4.training.metrics.writer import read_metrics
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_pretrained(tmp_path_factory.mktemp("pretrained") / "release")
-
-
-@pytest.fixture(scope="module")
-def trained(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_one_step(checkpoint, tmp_path_factory.mktemp("train"))
 
 
 def test_fp8_export_of_the_run_reloads(trained: Path) -> None:

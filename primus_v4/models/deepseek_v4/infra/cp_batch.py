@@ -217,7 +217,8 @@ class CpSplitter:
         self.comm = seq_comm(cp_axis)
         self.rank, self.size = cp_axis.rank, cp_axis.size
         self.mtp_depths = int(model_cfg.mtp_num_layers or 0)
-        self.min_rows = required_local_rows(model_cfg)
+        # one rank holds the whole pack: no boundary rows to hand on
+        self.min_rows = required_local_rows(model_cfg) if self.size > 1 else 1
         self.packed, self.device = packed, torch.device(device)
         self._cache: list[tuple[ThdBatch, CpShard]] = []
 

@@ -48,7 +48,7 @@ class PlainTrainer(Trainer):
         counts = reduce_counts(count_tokens(rows, mtp_depths=self.mtp_depths), None)
         step_loss = StepLoss(counts, mtp_scale=self.mtp_scale)
         for row in rows:
-            out = self.model(**self._model_inputs(row))
+            out = self.model(**self.model_inputs(row))
             step_loss.objective(out, samples=row.num_samples).backward()
         for p in self.params:
             if p.grad is None:
