@@ -102,7 +102,7 @@ def merged_state(
     stored: dict[str, tuple[torch.Size, torch.dtype]],
     groups: list[list[str]],
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """The merged model, one group of our tensor names at a time (export_run's groups)."""
+    """The merged model, one group of our tensor names at a time (export/run.py's groups)."""
     by_group: dict[str, list[str]] = {}
     for name in stored:
         by_group.setdefault(_group_of(name), []).append(name)

@@ -6,10 +6,10 @@ one process reads them back at any layout. The export streams: one layer's tenso
 a time, renamed and reshaped by the model family's name table (its release format's `names`),
 quantized if asked and written into bounded shards (`write_state`), so memory stays about one
 layer plus one shard. The checkpoint is verified first, as resume verifies it
-(checkpoint_integrity.problems); its own model_config.json (or, saved without one, its own
+(checkpoint.integrity.problems); its own model_config.json (or, saved without one, its own
 config.yaml) gives the model config; the tokenizer files of the run travel along. A LoRA run's
-adapters are merged into its base (export_lora.py), or written alone in PEFT's format
-(`export_adapters`, export_peft.py).
+adapters are merged into its base (lora.py), or written alone in PEFT's format
+(`export_adapters`, peft.py).
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def export_checkpoint(
 def export_adapters(
     source: ExportSource, out: str | os.PathLike, *, dtype: torch.dtype | None = None
 ) -> PeftSummary:
-    """Write the adapters of LoRA checkpoint `source` in PEFT's format at `out` (export_peft.py):
+    """Write the adapters of LoRA checkpoint `source` in PEFT's format at `out` (peft.py):
     one decoder layer read at a time; the MTP blocks' adapters are counted, not written; the
     routers travel too when the run moved their bias."""
     lora = source.run.model.lora

@@ -1,7 +1,7 @@
 """Per-rank memory plan of a run before it is launched (`primus-v4 inspect memory`).
 
 Static terms come from the model built on the meta device and cut like the trainer cuts it
-(pipeline stage, experts / ep) and from the optimizer's layout (training.zero): weights in the
+(pipeline stage, experts / ep) and from the optimizer's layout (training.optim.zero): weights in the
 model dtype; fp32 gradient buckets (full size, plus this rank's reduced shard when replicas > 1;
 fp64 ones plus an fp32 copy of the shard with `optim.grad_reduce_dtype: float64`);
 fp32 masters (none for float32 parameters: they are their own masters) and two fp32 moments for

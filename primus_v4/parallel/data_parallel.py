@@ -9,7 +9,7 @@ gradient: replicas must SUM, never average (DDP's default average would divide b
   * expert-parallel shards (tagged `expert_parallel = True` by expert_parallel.shard_moe): the
     all-to-all backward already brought every EP peer's tokens to the owner, so only the
     expert-data-parallel replicas of the same shard remain (`ctx.expert_dp`).
-The sum itself is the sharded optimizer's bucketed reduce-scatter (training.zero).
+The sum itself is the sharded optimizer's bucketed reduce-scatter (training.optim.zero).
 """
 
 from __future__ import annotations

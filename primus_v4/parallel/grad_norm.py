@@ -1,7 +1,7 @@
 """Global gradient norm when each gradient element lives on exactly one rank.
 
-After the sharded optimizer's reduce-scatter (training.zero) rank r holds the summed gradient of
-its own chunks only, so every element counts once when the squares are summed:
+After the sharded optimizer's reduce-scatter (training.optim.zero) rank r holds the summed
+gradient of its own chunks only, so every element counts once when the squares are summed:
   * chunks of replicated parameters over DP x CP (the replicas own disjoint chunks);
   * chunks of expert shards over expert-DP (the chunks of one shard), then over EP (the shards);
   * the per-stage totals over the PP group. The caller leaves out the last stage's MTP copy of

@@ -221,7 +221,8 @@ class PipelineRunner:
         from megatron.core import parallel_state as ps
 
         weight = model.embedding.weight
-        # The optimizer's fp32 accumulation buffer when it owns one (training.zero), else .grad.
+        # The optimizer's fp32 accumulation buffer when it owns one (training.optim.zero), else
+        # .grad.
         grad = getattr(weight, "main_grad", None)
         if grad is None:
             grad = weight.grad

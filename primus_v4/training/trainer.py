@@ -4,8 +4,8 @@ Per step: the rows of the global batch (BatchSource), their token counts summed 
 micro-batches and data-parallel ranks (the loss denominator, taken up front), one forward and
 backward per micro-batch with that micro-batch's share of the global token-mean loss (through
 the 1F1B pipeline schedule when pp > 1), fp32 gradients reduce-scattered over each parameter's
-replicas (training.zero: ZeRO-1 with fp32 masters), clip by the global norm, a finite check, the
-optimizer step, one metrics row.
+replicas (training.optim.zero: ZeRO-1 with fp32 masters), clip by the global norm, a finite
+check, the optimizer step, one metrics row.
 
 Where the parallel pieces plug in (identities in one process):
   * `init_runtime`   process groups from the launcher env (torchrun: gloo / RCCL).

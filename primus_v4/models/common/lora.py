@@ -62,7 +62,7 @@ class LoRALinear(nn.Linear):
     ) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.source = None  # the base as released (release_base.py), instead of `weight`
+        self.source = None  # the base as released (models/common/kept_base.py), instead of `weight`
         if isinstance(base, ReleaseLinear):
             self.register_parameter("weight", None)
             self.source = base.source

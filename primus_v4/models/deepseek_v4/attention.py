@@ -70,7 +70,7 @@ class Attention(nn.Module):
         self.wo_b = nn.Linear(g * cfg.o_lora_rank, dh, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(h)) if cfg.attn_sink else None
         self.wo_a_lora: nn.Module | None = None  # LoRA on wo_a's groups (lora.py), when added
-        self.wo_a_release: ReleaseWeight | None = None  # wo_a kept as released (release_base.py)
+        self.wo_a_release: ReleaseWeight | None = None  # wo_a kept as released (common/kept_base)
         self.rope = RotaryEmbedding(cfg, compressed=compress_ratio > 0)
         self.compressor = self.indexer = None
         if compress_ratio:

@@ -315,7 +315,7 @@ class MoE(nn.Module):
         self.grouped_experts = resolve(GROUPED_EXPERTS)
         self.recompute_shared = "shared_experts" in selected(cfg)
         self.expert_lora: nn.Module | None = None  # LoRA of the routed experts (lora.py)
-        # The base kept as released (release_base.py): these replace w_gate_up / w_down.
+        # The base kept as released (models/common/kept_base.py): these replace w_gate_up / w_down.
         self.w_gate_up_release: ReleaseWeight | None = None
         self.w_down_release: ReleaseWeight | None = None
 

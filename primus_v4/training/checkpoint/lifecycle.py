@@ -2,7 +2,7 @@
 release config) stored beside the shards, `checkpoint.keep_last` pruning, and resume rules.
 
 Which checkpoint a run continues is decided once, before anything is built: the newest one the
-integrity check passes (training.checkpoint_integrity.problems), or none. A run with
+integrity check passes (training.checkpoint.integrity.problems), or none. A run with
 checkpoint.resume=false refuses a dir that already holds checkpoints instead of mixing two runs.
 
 Resume rules. The checkpoint's own config.yaml is compared with this run's:

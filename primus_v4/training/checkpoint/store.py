@@ -166,10 +166,10 @@ def _model_options(model: nn.Module) -> StateDictOptions:
 
 
 def _sharded(optimizer: Any) -> ShardedAdamW:
-    """The trainer's optimizer (training.zero), whose state zero_state keys and shards."""
+    """The trainer's optimizer (training.optim.zero), whose state zero_state keys and shards."""
     if not isinstance(optimizer, ShardedAdamW):
         raise TypeError(
-            f"checkpoints hold the state of training.zero.ShardedAdamW, not of "
+            f"checkpoints hold the state of training.optim.zero.ShardedAdamW, not of "
             f"{type(optimizer).__name__}: build the optimizer with build_sharded_optimizer"
         )
     return optimizer

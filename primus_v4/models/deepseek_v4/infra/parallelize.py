@@ -7,7 +7,7 @@ normally built on the meta device (a 290B-parameter model fits no rank), so both
 shape-only and `materialize` then allocates and initializes just what the rank keeps. Every
 parameter draws from a generator of (seed, its name), experts from (seed, name, expert index),
 so each layout starts from exactly the weights of the one-process model.
-Data parallel (DP x CP) needs no wrapper: the trainer's optimizer (training.zero) sums the
+Data parallel (DP x CP) needs no wrapper: the trainer's optimizer (training.optim.zero) sums the
 gradients over the replicas (reduce-scatter, never an average: the loss is already normalized by
 global token counts) and shards its state over them.
 """

@@ -2,7 +2,7 @@
 
 `load_pretrained(path, dtype=)` builds the model from the directory's config.json on the meta
 device (a directory saved by transformers' `save_pretrained` reads the same: its config keys and
-names are translated, checkpoint_config.hf_to_release and state_dict_adapter.from_hf_name),
+names are translated, config_json.hf_to_release and state_dict_adapter.from_hf_name),
 materializes it in `dtype`, fills every parameter and persistent buffer from the release tensors
 through the name table and checks that every checkpoint tensor was consumed (or is on the
 documented ignore list `state_dict_adapter.IGNORED`).
@@ -49,7 +49,7 @@ log = get_logger(__name__)
 
 def read_config(path: str | os.PathLike, **overrides) -> DeepseekV4Config:
     """DeepseekV4Config from a release directory's config.json (or the file itself); keyword
-    overrides set our own training fields (see checkpoint_config.py)."""
+    overrides set our own training fields (see config_json.py)."""
     p = Path(path)
     file = p / "config.json" if p.is_dir() else p
     if not file.exists():
@@ -212,7 +212,7 @@ def load_pretrained(
 ) -> DeepseekV4Model:
     """The model of a release directory (config.json + safetensors shards), every parameter
     and persistent buffer loaded, FP8/FP4 decoded into `dtype` (see the module docstring), or
-    with `keep_release` kept as stored and decoded per use (release_base.py)."""
+    with `keep_release` kept as stored and decoded per use (models/common/kept_base.py)."""
     cfg = read_config(path)
     with torch.device("meta"):
         model = DeepseekV4Model(cfg, **model_kwargs)
