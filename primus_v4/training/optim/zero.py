@@ -56,7 +56,6 @@ optimizer-side sharding.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,7 +67,8 @@ from primus_v4.errors import ConfigError
 from primus_v4.log import get_logger
 from primus_v4.parallel.data_parallel import BUCKET_BYTES, is_expert_param, replica_axis
 from primus_v4.parallel.grad_norm import global_grad_norm
-from primus_v4.parallel.groups import Axis, ParallelContext
+from primus_v4.parallel.groups import ParallelContext
+from primus_v4.training.optim.buckets import Bucket, Slot, gather_flat, scatter_flat
 from primus_v4.training.optim.lr_schedule import warmup_cosine
 
 log = get_logger(__name__)
@@ -92,84 +92,6 @@ def pick_offloaded(numels: list[int], fraction: float) -> set[int]:
             chosen.add(i)
             used += numels[i]
     return chosen
-
-
-@dataclass(kw_only=True, eq=False)
-class Slot:
-    """One parameter in its bucket; `lo:hi` is this rank's flat range of it."""
-
-    name: str
-    param: nn.Parameter
-    group: int  # 0 = weight-decayed, 1 = not decayed
-    expert: bool
-    bucket: int = -1
-    offset: int = 0  # start of its chunk inside a rank segment
-    chunk: int = 0  # c
-    lo: int = 0
-    hi: int = 0
-    master: torch.Tensor | None = None  # fp32 [hi - lo]: a view of the parameter or a copy
-    aliased: bool = False  # the master is the parameter's own storage (fp32, not offloaded)
-    grad: torch.Tensor | None = None  # fp32 [hi - lo]: this rank's reduced gradient
-    calls: int = 0  # hook calls this step (one per micro-batch that reached the parameter)
-
-    @property
-    def numel(self) -> int:
-        return self.param.numel()
-
-    @property
-    def size(self) -> int:
-        return self.hi - self.lo
-
-
-@dataclass(kw_only=True, eq=False)
-class Bucket:
-    axis: Axis
-    index: int
-    slots: list[Slot] = field(default_factory=list)
-    segment: int = 0  # S
-    grad: torch.Tensor | None = None  # grad_dtype (lean: bf16) [n * S], rank-major
-    shard: torch.Tensor | None = None  # grad_dtype [S]: this rank's reduced segment
-    lean: bool = False  # bf16 `grad`; `shard` / `reduced` exist from the reduction to the step
-    send: torch.Tensor | None = None  # lean, n > 1: the float32 copy being reduce-scattered
-    reduced: torch.Tensor | None = None  # fp32 [S]: `shard` rounded (is `shard` in fp32)
-    work: Any = None
-    launched: bool = False
-    deferred: bool = False  # holds a parameter whose gradient is finished after backward
-    expected: int = 0
-    done: int = 0
-
-    def buffer_bytes(self) -> int:
-        held = [t for t in (self.grad, self.shard, self.reduced, self.send) if t is not None]
-        distinct = {id(t): t for t in held}.values()
-        return sum(t.numel() * t.element_size() for t in distinct)
-
-    def itemsize(self, opt: ShardedAdamW) -> int:
-        return (opt.grad_dtype if self.deferred else opt.accum_dtype).itemsize
-
-    def chunk_view(self, slot: Slot, buffer: torch.Tensor) -> torch.Tensor:
-        """[n, c] strided view of `slot`'s chunks inside a rank-major [n * S] buffer."""
-        n = self.axis.size
-        return buffer.view(n, self.segment)[:, slot.offset : slot.offset + slot.chunk]
-
-
-def _scatter_flat(dst_nc: torch.Tensor, src_N: torch.Tensor, *, add: bool) -> None:
-    """dst[r, j] (op)= src[r c + j] for the N valid entries (the last chunk may be short)."""
-    c = dst_nc.shape[1]
-    full, rem = divmod(src_N.numel(), c)
-    op = torch.Tensor.add_ if add else torch.Tensor.copy_
-    if full:
-        op(dst_nc[:full], src_N[: full * c].view(full, c))
-    if rem:
-        op(dst_nc[full, :rem], src_N[full * c :])
-
-
-def _gather_flat(dst_N: torch.Tensor, src_nc: torch.Tensor) -> None:
-    c = src_nc.shape[1]
-    full, rem = divmod(dst_N.numel(), c)
-    if full:
-        dst_N[: full * c].view(full, c).copy_(src_nc[:full])
-    if rem:
-        dst_N[full * c :].copy_(src_nc[full, :rem])
 
 
 def _adamw(params: list[list[torch.Tensor]], groups: list[dict], foreach: bool | None):
@@ -368,7 +290,7 @@ class ShardedAdamW(Optimizer):
         @torch.no_grad()
         def accumulate(p: torch.Tensor) -> None:
             # fp32 accumulation of a bf16 gradient; the parameter-dtype grad is freed at once.
-            _scatter_flat(bucket.chunk_view(slot, bucket.grad), p.grad.view(-1), add=True)
+            scatter_flat(bucket.chunk_view(slot, bucket.grad), p.grad.view(-1), add=True)
             p.grad = None
             slot.calls += 1
             if slot.calls == self._micro_batches:
@@ -511,7 +433,7 @@ class ShardedAdamW(Optimizer):
             full = torch.empty(n * b.segment, dtype=dtype, device=b.grad.device)
             dist.all_gather_into_tensor(full, mine, group=b.axis.group)
             for s in b.slots:
-                _gather_flat(s.param.detach().view(-1), b.chunk_view(s, full))
+                gather_flat(s.param.detach().view(-1), b.chunk_view(s, full))
 
     # -- accounting and checkpoints --------------------------------------------------------
 

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from primus_v4.training.optim.zero import ShardedAdamW, Slot
+from primus_v4.training.optim.buckets import Slot
+from primus_v4.training.optim.zero import ShardedAdamW
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
