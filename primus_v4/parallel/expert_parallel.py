@@ -73,7 +73,7 @@ class AllToAllDispatcher:
 
     def dispatch(
         self, x_RD: torch.Tensor, expert_RK: torch.Tensor, num_experts: int
-    ) -> tuple[torch.Tensor, list[int], Any]:
+    ) -> tuple[torch.Tensor, list[list[int]], Any]:
         p, n_local, k = self.ep.size, self.num_local, expert_RK.shape[1]
         flat_M = expert_RK.reshape(-1)
         # Sorting by global expert id also groups the copies by destination rank.
@@ -85,18 +85,15 @@ class AllToAllDispatcher:
         send_splits = send_PL.sum(1).tolist()
         recv_splits = recv_PL.sum(1).tolist()
         x_recv = all_to_all_rows(x_sorted, recv_splits, send_splits, self.ep.group)
-        # Received blocks come per source rank, each sorted by local expert; regroup by expert.
-        local_id = torch.arange(n_local, device=x_RD.device).repeat(p)
-        expert_of_row = torch.repeat_interleave(local_id, recv_PL.reshape(-1))
-        regroup = torch.argsort(expert_of_row, stable=True)
         self.sent_rows = int(flat_M.numel())
-        handle = (order_M, regroup, send_splits, recv_splits)
-        return x_recv.index_select(0, regroup), recv_PL.sum(0).tolist(), handle
+        # Not regrouped by expert: one block per source rank (each sorted by local expert), run
+        # by the experts block by block so that a weight gradient adds the source ranks' own
+        # gradients, as one process adds its micro-batches' (MoE._routed).
+        return x_recv, recv_PL.tolist(), (order_M, send_splits, recv_splits)
 
     def combine(self, y_MD: torch.Tensor, weight_RK: torch.Tensor, handle: Any) -> torch.Tensor:
-        order_M, regroup, send_splits, recv_splits = handle
+        order_M, send_splits, recv_splits = handle
         r, k = weight_RK.shape
-        y_recv = y_MD.index_select(0, _inverse(regroup))
-        y_back = all_to_all_rows(y_recv, send_splits, recv_splits, self.ep.group)
+        y_back = all_to_all_rows(y_MD, send_splits, recv_splits, self.ep.group)
         y_RKD = y_back.index_select(0, _inverse(order_M)).view(r, k, y_MD.shape[-1])
         return self._combine(y_RKD, weight_RK)

@@ -76,8 +76,10 @@ class Dispatcher(Protocol):
 
     def dispatch(
         self, x_RD: torch.Tensor, expert_RK: torch.Tensor, num_experts: int
-    ) -> tuple[torch.Tensor, list[int], Any]:
-        """Returns rows sorted by local expert [M, D], rows per local expert, and a handle."""
+    ) -> tuple[torch.Tensor, list[list[int]], Any]:
+        """Returns rows [M, D] as consecutive blocks, each sorted by local expert; rows per
+        local expert of each block; and a handle. A block is the rows of one source (one pack):
+        the experts run each block as its own grouped GEMM (`MoE._routed`)."""
         ...
 
     def combine(self, y_MD: torch.Tensor, weight_RK: torch.Tensor, handle: Any) -> torch.Tensor:
@@ -91,13 +93,13 @@ class LocalDispatcher:
 
     def dispatch(
         self, x_RD: torch.Tensor, expert_RK: torch.Tensor, num_experts: int
-    ) -> tuple[torch.Tensor, list[int], Any]:
+    ) -> tuple[torch.Tensor, list[list[int]], Any]:
         k = expert_RK.shape[1]
         flat_M = expert_RK.reshape(-1)
         order_M = torch.argsort(flat_M, stable=True)
         counts = torch.bincount(flat_M, minlength=num_experts).tolist()
         x_MD = x_RD.index_select(0, order_M // k)
-        return x_MD, counts, order_M
+        return x_MD, [counts], order_M
 
     def combine(self, y_MD: torch.Tensor, weight_RK: torch.Tensor, handle: Any) -> torch.Tensor:
         order_M = handle
@@ -329,17 +331,14 @@ class MoE(nn.Module):
         """Returns (y_TD, aux_loss): padding rows get only the shared expert's output."""
         expert_RK, weight_RK, scores_RE = self.router(x_TD, routing)
         x_RD = x_TD.index_select(0, routing.routed_rows_R)
-        x_MD, counts, handle = self.dispatcher.dispatch(x_RD, expert_RK, self.num_experts)
-        lora = {} if self.expert_lora is None else {"lora": self.expert_lora.kernel_args()}
+        x_MD, blocks, handle = self.dispatcher.dispatch(x_RD, expert_RK, self.num_experts)
         if self.w_gate_up_release is None:
-            y_MD = self.grouped_experts(x_MD, counts, self.w_gate_up, self.w_down,
-                                        limit=self.limit, **lora)  # fmt: skip
+            y_MD = self._routed(x_MD, blocks, self.w_gate_up, self.w_down)
         else:  # decoded inside a checkpoint: the backward decodes (and recomputes) again
             gate_up, down = self.w_gate_up_release, self.w_down_release
 
             def experts(x: torch.Tensor) -> torch.Tensor:
-                return self.grouped_experts(x, counts, gate_up(), down(), limit=self.limit,
-                                            **lora)  # fmt: skip
+                return self._routed(x, blocks, gate_up(), down())
 
             y_MD = checkpointed(experts, x_MD)
         y_RD = self.dispatcher.combine(y_MD, weight_RK, handle)
@@ -357,3 +356,29 @@ class MoE(nn.Module):
         else:
             aux = balance_loss(expert_RK, scores_RE, routing) * self.aux_coeff
         return y_TD, aux
+
+    def _routed(
+        self,
+        x_MD: torch.Tensor,
+        blocks: list[list[int]],
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+    ) -> torch.Tensor:
+        """The grouped experts over each block of rows (`Dispatcher.dispatch`) on its own.
+
+        Under EP the blocks are the source ranks' packs. One GEMM over all of them would sum an
+        expert's weight gradient over every pack's rows in one K loop, while one process sums
+        each pack's gradient on its own and adds them (one micro-batch each), as the replicas of
+        every other parameter are added: float32 rounds the two orders differently, and AdamW
+        turns that rounding, where a gradient is near its eps, into weight differences after
+        the first step. A GEMM per block sums an expert's gradient over packs as one process
+        does (the same bits when each rank runs one pack a step), for one kernel call per
+        source rank instead of one."""
+        lora = {} if self.expert_lora is None else {"lora": self.expert_lora.kernel_args()}
+        sizes = [sum(b) for b in blocks]
+        parts = x_MD.split(sizes) if len(blocks) > 1 else (x_MD,)
+        # Empty blocks are skipped; with no rows at all one call keeps the weights in the graph.
+        kept = [i for i, n in enumerate(sizes) if n] or [0]
+        ys = [self.grouped_experts(parts[i], blocks[i], w_gate_up, w_down, limit=self.limit,
+                                   **lora) for i in kept]  # fmt: skip
+        return ys[0] if len(ys) == 1 else torch.cat(ys)
