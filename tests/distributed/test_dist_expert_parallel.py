@@ -11,15 +11,11 @@ norms of one process for 3 steps and holds its weights after step 2.
 from __future__ import annotations
 
 import copy
-import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from harness import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "training"))
 from train_fakes import RAGGED_PACKS, SEQ, TEST_VOCAB, FakeCorpus
 
 from primus_v4.config import load_config, resolve_run
