@@ -55,3 +55,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def ce_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Row count of every chunk the fused LM-head CE computes, in call order (tests clear it)."""
+    import primus_v4.kernels.linear_ce as loss_mod
+
+    seen: list[int] = []
+    real_chunk_ce = loss_mod._chunk_ce
+
+    def counting(h_CD: torch.Tensor, *args, **kwargs):
+        seen.append(h_CD.shape[0])
+        return real_chunk_ce(h_CD, *args, **kwargs)
+
+    monkeypatch.setattr(loss_mod, "_chunk_ce", counting)
+    return seen

@@ -13,19 +13,3 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture
-def ce_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Row count of every chunk the fused LM-head CE computes, in call order (tests clear it)."""
-    import primus_v4.kernels.linear_ce as loss_mod
-
-    seen: list[int] = []
-    real_chunk_ce = loss_mod._chunk_ce
-
-    def counting(h_CD: torch.Tensor, *args, **kwargs):
-        seen.append(h_CD.shape[0])
-        return real_chunk_ce(h_CD, *args, **kwargs)
-
-    monkeypatch.setattr(loss_mod, "_chunk_ce", counting)
-    return seen
