@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -84,6 +86,22 @@ def _model_defaults(spec: ModelSpec, preset: str | None) -> dict[str, Any]:
     return out
 
 
+@contextmanager
+def _reading_release(directory: str) -> Iterator[None]:
+    """A failure to read a release's config.json as one CheckpointFormatError naming it."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise CheckpointFormatError(f"model.pretrained: {exc}") from None
+    except OSError as exc:
+        raise CheckpointFormatError(
+            f"model.pretrained={directory}: cannot read {exc.filename} ({exc.strerror})"
+        ) from None
+    except (CheckpointFormatError, ConfigError, TypeError, ValueError, AssertionError,
+            ArithmeticError) as exc:  # fmt: skip
+        raise CheckpointFormatError(f"model.pretrained={directory}: {exc}") from None
+
+
 def model_family(cfg: RunConfig) -> str:
     """The run's model family: the release's config.json `model_type` with `model.pretrained`,
     else `model.family`; both given must agree."""
@@ -102,16 +120,8 @@ def model_family(cfg: RunConfig) -> str:
                 "preset); drop model.family or pick a preset of that family"
             )
         return found
-    try:
+    with _reading_release(cfg.model.pretrained):
         found = release_family(cfg.model.pretrained)
-    except FileNotFoundError as exc:
-        raise CheckpointFormatError(f"model.pretrained: {exc}") from None
-    except OSError as exc:
-        raise CheckpointFormatError(
-            f"model.pretrained={cfg.model.pretrained}: cannot read {exc.filename} ({exc.strerror})"
-        ) from None
-    except CheckpointFormatError as exc:
-        raise CheckpointFormatError(f"model.pretrained: {exc}") from None
     if named is not None and named != found:
         raise ConfigError(
             f"model.family: {named!r} conflicts with model.pretrained={cfg.model.pretrained} "
@@ -204,17 +214,9 @@ def _recompute_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
 def pretrained_model_config(spec: ModelSpec, directory: str, overrides: dict[str, Any]) -> Any:
     """The model config of a released checkpoint (its config.json), overrides applied."""
     read_config = spec.release.read_config
-
-    try:  # the release's own config.json first: a problem there is the release's
+    # the release's own config.json first: a problem there is the release's
+    with _reading_release(directory):
         read_config(directory)
-    except FileNotFoundError as exc:
-        raise CheckpointFormatError(f"model.pretrained: {exc}") from None
-    except OSError as exc:
-        raise CheckpointFormatError(
-            f"model.pretrained={directory}: cannot read {exc.filename} ({exc.strerror})"
-        ) from None
-    except (ConfigError, TypeError, ValueError, AssertionError, ArithmeticError) as exc:
-        raise CheckpointFormatError(f"model.pretrained={directory}: {exc}") from None
     try:
         return read_config(directory, **overrides)
     except (ConfigError, TypeError, ValueError, AssertionError, ArithmeticError) as exc:
