@@ -87,6 +87,8 @@ def _library(compiler: str, *, portable: bool = False) -> ctypes.CDLL | None:
     lib.quantize_fp4_bf16.restype = i64
     lib.quantize_fp8_bf16.argtypes = [*common, ptr]
     lib.quantize_fp8_bf16.restype = i64
+    lib.quantize_fp8_bf16_blocks.argtypes = [ptr, i64, i64, i64, i64, *common[3:], ptr]
+    lib.quantize_fp8_bf16_blocks.restype = i64
     return lib
 
 
@@ -98,26 +100,41 @@ def library() -> ctypes.CDLL | None:
 
 
 def quantize(
-    w: torch.Tensor, fmt: str, *, carry: int, bias: int, lowest: int, table: torch.Tensor
+    w: torch.Tensor,
+    kind: str,
+    *,
+    block_rows: int,
+    block_cols: int,
+    carry: int,
+    bias: int,
+    lowest: int,
+    table: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """(codes uint8, exponents int32, blocks holding NaN or inf) of a contiguous CPU bf16
-    `[N, K]` (FP8: N, K multiples of 128; FP4: K a multiple of 32), or None without the
-    library. The format constants are `fp8_fp4._Bf16Format`'s."""
+    `[N, K]` (N, K multiples of the block), or None without the library or for an FP4 block
+    other than 1x32 (the only one either release stores; its SIMD pass is written for 32
+    inputs). The format constants are `fp8_fp4._Bf16Format`'s."""
+    if kind == "fp4" and (block_rows, block_cols) != (1, 32):
+        return None
     lib = library()
     if lib is None:
         return None
     n, k = w.shape
     ptr = ctypes.c_void_p
-    args = [ptr(w.data_ptr()), n, k, carry, bias, lowest, ptr(table.data_ptr())]
-    if fmt == "fp4":
+    data, consts = ptr(w.data_ptr()), [carry, bias, lowest, ptr(table.data_ptr())]
+    if kind == "fp4":
         out = torch.empty(n, k // 2, dtype=torch.uint8)
         exponent = torch.empty(n, k // 32, dtype=torch.int32)
-        bad = lib.quantize_fp4_bf16(*args, ptr(out.data_ptr()), ptr(exponent.data_ptr()))
-    else:
-        out = torch.empty(n, k, dtype=torch.uint8)
-        exponent = torch.empty(n // 128, k // 128, dtype=torch.int32)
-        top = torch.empty(k // 128, dtype=torch.int32)
-        bad = lib.quantize_fp8_bf16(
-            *args, ptr(out.data_ptr()), ptr(exponent.data_ptr()), ptr(top.data_ptr())
+        bad = lib.quantize_fp4_bf16(
+            data, n, k, *consts, ptr(out.data_ptr()), ptr(exponent.data_ptr())
         )
+        return out, exponent, int(bad)
+    out = torch.empty(n, k, dtype=torch.uint8)
+    exponent = torch.empty(n // block_rows, k // block_cols, dtype=torch.int32)
+    top = torch.empty(k // block_cols, dtype=torch.int32)
+    tail = [ptr(out.data_ptr()), ptr(exponent.data_ptr()), ptr(top.data_ptr())]
+    if (block_rows, block_cols) == (128, 128):  # V4's entry point: the block compiled in
+        bad = lib.quantize_fp8_bf16(data, n, k, *consts, *tail)
+    else:
+        bad = lib.quantize_fp8_bf16_blocks(data, n, k, block_rows, block_cols, *consts, *tail)
     return out, exponent, int(bad)

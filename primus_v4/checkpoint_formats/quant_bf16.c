@@ -1,8 +1,8 @@
-/* bf16 -> the release's FP8 (e4m3, ue8m0 per 128x128 block) / FP4 (e2m1, ue8m0 per 32 inputs)
- * in one pass per block: native_quant.py compiles it on first use and calls it through
- * ctypes (the GIL is released, so export threads run it in parallel). It is the algorithm of
- * fp8_fp4._quantize_bf16, element for element, so the codes are its codes (tested over
- * every bf16 pattern):
+/* bf16 -> the releases' FP8 (e4m3, ue8m0 per br x bc block: V4 128x128, V4.1 32x32 and 1x32)
+ * / FP4 (e2m1, ue8m0 per 32 inputs of a row) in one pass per block: native_quant.py compiles it
+ * on first use and calls it through ctypes (the GIL is released, so export threads run it in
+ * parallel). It is the algorithm of fp8_fp4._quantize_bf16, element for element, so the codes
+ * are its codes (tested over every bf16 pattern):
  *   top   = the block's largest pattern without its sign bit (it orders like |x|);
  *   e     = ((top + carry) >> 7) - bias, clamped to [-127, 127] (the smallest power of two
  *           with max |x| / 2^e <= limit, see _Bf16Format);
@@ -155,6 +155,7 @@ int64_t quantize_fp4_bf16(const uint16_t *x, int64_t n, int64_t k, int carry, in
     return bad;
 }
 
+/* V4's 128x128 blocks, the constant compiled in. */
 int64_t quantize_fp8_bf16(const uint16_t *x, int64_t n, int64_t k, int carry, int bias,
                           int lowest, const uint8_t *table, uint8_t *out, int32_t *exponent,
                           int32_t *top /* scratch: k / 128 */) {
@@ -178,6 +179,39 @@ int64_t quantize_fp8_bf16(const uint16_t *x, int64_t n, int64_t k, int carry, in
                 uint8_t *o = out + r * k + c * 128;
                 for (int j = 0; j < 128; ++j) o[j] = table[y[j]];
             }
+    }
+    return bad;
+}
+
+/* Any br x bc blocks (V4.1: 32x32 dense weights, 1x32 Engram rows): quantize_fp8_bf16 above
+ * with the block as arguments (that one keeps its constant 128 for V4's speed). A block's
+ * columns are scaled 128 at a time: y is stack scratch of a fixed size. */
+int64_t quantize_fp8_bf16_blocks(const uint16_t *x, int64_t n, int64_t k, int64_t br,
+                                 int64_t bc, int carry, int bias, int lowest,
+                                 const uint8_t *table, uint8_t *out, int32_t *exponent,
+                                 int32_t *top /* scratch: k / bc */) {
+    int64_t bad = 0;
+    const int64_t kb = k / bc;
+    uint16_t y[128];
+    for (int64_t b = 0; b < n / br; ++b) {
+        for (int64_t c = 0; c < kb; ++c) top[c] = 0;
+        for (int64_t r = b * br; r < (b + 1) * br; ++r)
+            for (int64_t c = 0; c < kb; ++c) {
+                int t = block_top(x + r * k + c * bc, bc);
+                top[c] = t > top[c] ? t : top[c];
+            }
+        for (int64_t c = 0; c < kb; ++c) {
+            bad += top[c] >= 0x7F80;
+            exponent[b * kb + c] = exponent_of(top[c], carry, bias);
+        }
+        for (int64_t r = b * br; r < (b + 1) * br; ++r)
+            for (int64_t c = 0; c < kb; ++c)
+                for (int64_t j0 = 0; j0 < bc; j0 += 128) {
+                    const int64_t len = bc - j0 < 128 ? bc - j0 : 128;
+                    const int64_t at = r * k + c * bc + j0;
+                    scale_block(x + at, len, exponent[b * kb + c], top[c], lowest, y);
+                    for (int64_t j = 0; j < len; ++j) out[at + j] = table[y[j]];
+                }
     }
     return bad;
 }

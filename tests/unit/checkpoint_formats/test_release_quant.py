@@ -223,9 +223,9 @@ def test_block_scales_are_the_smallest_power_of_two_at_the_edges_of_e8m0() -> No
             assert e == max(-127, min(127, want)), (a, limit, e, want)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("name", ["FP8_128X128", "FP4_1X32", "FP8_32X32", "FP8_1X32"])
 def test_bf16_quantizers_shift_exponents_like_the_float32_division(
-    fmt, monkeypatch, bf16_path: str
+    name, monkeypatch, bf16_path: str
 ) -> None:
     """The bf16 fast path divides by 2^e by moving exponent fields. Small chunks: most hold
     only blocks whose scale is in the shifted range (every exponent from the lowest to 0, and
@@ -234,7 +234,8 @@ def test_bf16_quantizers_shift_exponents_like_the_float32_division(
     scales equal the float32 path's everywhere."""
     from primus_v4.checkpoint_formats import fp8_fp4 as rq
 
-    f = rq._BF16_FORMATS[fmt]
+    fmt = getattr(rq, name)
+    f = rq._bf16_format(fmt)
     br, bc = f.block_rows, f.block_cols
     k, block_rows = 4 * bc, 8 * br  # one chunk: 8 block rows of 4 blocks
     monkeypatch.setattr(rq, "QUANT_CHUNK", block_rows * k)
@@ -262,8 +263,7 @@ def test_bf16_quantizers_shift_exponents_like_the_float32_division(
     # blocks [nb, br * bc] -> [chunks, 8, br, 4, bc] (8 x 4 blocks a chunk) -> [N, K]
     w = patterns.view(chunks, 8, 4, br, bc).permute(0, 1, 3, 2, 4).reshape(-1, k).contiguous()
     assert int(torch.isfinite(w).all()) and w.shape[0] == chunks * block_rows
-    quantize = rq.quantize_fp8 if fmt == "fp8" else rq.quantize_fp4
-    fast, ref = quantize(w), quantize(w.float())
+    fast, ref = rq.quantize(w, fmt=fmt), rq.quantize(w.float(), fmt=fmt)
     for a, b in zip(fast, ref, strict=True):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     scales = fast[1].view(torch.uint8).to(torch.int32) - 127
