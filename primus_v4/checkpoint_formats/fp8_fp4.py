@@ -468,7 +468,6 @@ def _quantize_bf16(w: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, tor
       that range (a scale above 1 or below 2^lowest) divides in bf16 (exact: a power of two);
     - the code: one gather from the table of every bf16 pattern's code (`_bf16_code_table`),
       then FP4 packs two codes per byte."""
-    n, k = w.shape
     f = _bf16_format(fmt)
     kind = fmt.kind
     table = _bf16_code_table(kind)
@@ -486,8 +485,17 @@ def _quantize_bf16(w: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, tor
         out, exponent, bad = native
         if bad:
             raise ValueError(f"{bad} quantization block(s) hold NaN or inf values")
-        q = out.view(torch.float8_e4m3fn) if kind == "fp8" else out.view(torch.int8)
-        return q, float_to_e8m0(exponent)
+    else:
+        out, exponent = _quantize_bf16_torch(w, f, kind, table)
+    q = out.view(torch.float8_e4m3fn) if kind == "fp8" else out.view(torch.int8)
+    return q, float_to_e8m0(exponent)
+
+
+def _quantize_bf16_torch(
+    w: torch.Tensor, f: _Bf16Format, kind: str, table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_quantize_bf16`'s torch path, by row chunks: (uint8 codes, int32 block exponents)."""
+    n, k = w.shape
     br, bc = f.block_rows, f.block_cols
     lo_pattern, hi_pattern = f.pattern_range
     exponent = torch.empty(n // br, k // bc, dtype=torch.int32)
@@ -530,8 +538,7 @@ def _quantize_bf16(w: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, tor
         else:
             codes = codes.view(rows, k)
             out[r0:r1] = torch.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4)
-    q = out.view(torch.float8_e4m3fn) if kind == "fp8" else out.view(torch.int8)
-    return q, float_to_e8m0(exponent)
+    return out, exponent
 
 
 def _count_bad_blocks(w: torch.Tensor, br: int, bc: int) -> int:
