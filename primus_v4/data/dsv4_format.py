@@ -1,5 +1,8 @@
-"""The DeepSeek-V4 conversation format: messages -> rendered strings + supervised character spans.
+"""Our port of the DeepSeek-V4 encoder, for what `deepseek-recipe` cannot render as it does.
 
+Conversations are rendered by DeepSeek's library (chat_format.py); rows with a developer role,
+a user task, a response_format, wo_eos, a latest_reminder, several system messages or tool
+schemas of other keys come here (chat_format.needs_own_encoder says why for each).
 A re-implementation of the release's `encoding/encoding_dsv4.py` rendering (the rules in brief:
 README_thd_packed.md, "The DeepSeek-V4 conversation format"; golden samples of the release
 encoder: tests/fixtures/dsv4_format/), kept message-for-message equal to it, plus the
@@ -223,37 +226,6 @@ def supervised_turns(messages: list[dict[str, Any]]) -> list[int]:
     return [
         i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight", 1) != 0
     ]
-
-
-def plain_chat_samples(
-    messages: list[dict[str, Any]],
-) -> list[tuple[str, list[tuple[int, int]]]] | None:
-    """Chat-mode samples of the common shape, system* (user assistant)+ with text only, built
-    directly (the general path gives the same; this one skips merging and per-message
-    dispatch). None when the conversation has any other shape."""
-    k = 0
-    while k < len(messages) and messages[k]["role"] == "system":
-        if messages[k].get("tools") or messages[k].get("response_format") is not None:
-            return None
-        k += 1
-    if k == len(messages) or (len(messages) - k) % 2:
-        return None
-    parts = [BOS, *(m["content"] or "" for m in messages[:k])]
-    offset = sum(map(len, parts))
-    spans = []
-    for user, answer in zip(messages[k::2], messages[k + 1 :: 2], strict=True):
-        if user["role"] != "user" or user.get("task") is not None or answer["role"] != "assistant":
-            return None
-        if answer.get("tool_calls") or answer.get("wo_eos"):
-            return None
-        prompt = USER + user["content"] + ASSISTANT + END_THINK
-        completion = (answer["content"] or "") + EOS
-        parts += (prompt, completion)
-        offset += len(prompt)
-        if answer.get("weight", 1) != 0:
-            spans.append((offset, offset + len(completion)))
-        offset += len(completion)
-    return [("".join(parts), spans)] if spans else []
 
 
 def conversation_samples(
