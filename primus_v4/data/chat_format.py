@@ -97,6 +97,8 @@ FORMATS = {
     ),
 }
 V4 = FORMATS["v4"]
+V41_LEVELS = {None: 75, "low": 50, "high": 75, "max": 100}
+"""V4.1's effort numbers of the named levels (the official encoder's; absent: 75)."""
 CHOICES = ("auto", *FORMATS)
 
 

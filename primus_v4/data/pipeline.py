@@ -408,6 +408,7 @@ def _build(
         num_rows=sum(info["rows"] for info in table.info),
         format=",".join(dict.fromkeys(info["format"] for info in table.info)),
         chat_modes=dict(sorted(modes.items())),
+        chat_format=spec.resolved_chat_format(tokenizer_dir),
         sources=table.info,
     )
     manifest = {"pad_id": tokenizer.special.pad, "stats": stats}

@@ -110,17 +110,18 @@ def row_samples(
     own = chat_format.needs_own_encoder(messages, fmt)
     if own is None:
         return label, chat_format.conversation_samples(messages, mode, fmt, effort)
-    # Our port of the official encoder, for what the library cannot render (V4 formats only).
-    level, _ = chat_format.effort_of(fmt, effort)
-    if fmt.name == "v4.1" or level != "low":
+    # Our port of the official encoder, for what the library renders otherwise or not at all.
+    level, number = chat_format.effort_of(fmt, effort)
+    if not fmt.numeric_effort and level != "low":
         raise BadRow(
             "not_in_format",
-            f"{own} is rendered here only in the V4 formats without an effort text (format "
-            f"{fmt.name}, reasoning_effort {effort!r})",
+            f"{own}: rendered here only without an effort text in format {fmt.name} "
+            f"(reasoning_effort {effort!r})",
         )
     merged = dsv4_format.merge_tool_messages(messages)
     dsv4_format.sort_tool_results(merged)
-    return label, dsv4_format.conversation_samples(merged, mode)
+    v41_effort = (number or chat_format.V41_LEVELS[level]) if fmt.numeric_effort else None
+    return label, dsv4_format.conversation_samples(merged, mode, v41_effort)
 
 
 @dataclass(kw_only=True)
