@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,8 @@ class ChatFormat:
     """One DeepSeek conversation format: its encoder and how a row's effort reaches it."""
 
     name: str
-    encoding: Callable[[], Any]
+    encoding: Any
+    """The library's encoder (one instance: building one costs more than a render)."""
     efforts: dict[Any, str | None]
     """A row's `reasoning_effort` (None: absent) -> the library's effort level."""
     numeric_effort: bool = False
@@ -76,21 +76,21 @@ FORMATS = {
     # V4 (April): no effort text by default; "max" is the text 0731 calls "high".
     "v4": ChatFormat(
         name="v4",
-        encoding=dr.DeepseekV4Encoding,
+        encoding=dr.DeepseekV4Encoding(),
         efforts={None: "low", "low": "low", "high": "low", "max": "high"},
         special_tokens=_V4_SPECIALS,
     ),
     # V4-0731: its encoder shifted the texts down one level (a new, stronger "max").
     "v4-0731": ChatFormat(
         name="v4-0731",
-        encoding=dr.DeepseekV4Encoding,
+        encoding=dr.DeepseekV4Encoding(),
         efforts={None: "low", "low": "low", "high": "high", "max": "max"},
         special_tokens=_V4_SPECIALS,
     ),
     # V4.1: "Reasoning Effort: N (range 1-100, ...)"; low/high/max = 50/75/100, 75 when absent.
     "v4.1": ChatFormat(
         name="v4.1",
-        encoding=dr.DeepseekV41Encoding,
+        encoding=dr.DeepseekV41Encoding(),
         efforts={None: None, "low": "low", "high": "high", "max": "max"},
         numeric_effort=True,
         special_tokens=(*_V4_SPECIALS, SYSTEM),
@@ -235,7 +235,7 @@ class _Renderer:
         conversation = dr.Conversation(
             messages, thinking_mode=self.thinking, reasoning_effort=self.effort, tools=self.tools
         )
-        text = self.fmt.encoding().render_conversation(conversation).prompt.replace(_HOLE, "")
+        text = self.fmt.encoding.render_conversation(conversation).prompt.replace(_HOLE, "")
         if self.bare_calls:
             text = _BARE_INVOKE.sub(r"\1\n", text)
         if self.number is not None and self.thinking:
