@@ -12,9 +12,9 @@ EOS. Turn i's text is `P_i + C_i`; a later turn's sample supervises turn i too w
 with that text verbatim, else turn i is a sample of its own (thinking mode without tools: the
 encoder drops the reasoning of turns before the last user message).
 
-Messages here are normalized (`primus_v4.data.shapes`). Roles and fields the library has no
-form for (`developer`, a user's `task`, `response_format`, `wo_eos`) are rendered by our
-encoder port (`dsv4_format`) in the V4 formats and refused in V4.1.
+Messages here are normalized (`primus_v4.data.shapes`). What the library has no form for, or
+renders otherwise than the official encoder (`needs_own_encoder` names each), is rendered by our
+port of the official encoders (`dsv4_format`), in every format.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ class ChatFormat:
     """The library's encoder (one instance: building one costs more than a render)."""
     efforts: dict[Any, str | None]
     """A row's `reasoning_effort` (None: absent) -> the library's effort level."""
-    numeric_effort: bool = False
-    """V4.1: an integer 1-100 is an effort too."""
+    v41: bool = False
+    """V4.1's format: an integer 1-100 is an effort too; system messages mid-conversation."""
     special_tokens: tuple[str, ...] = ()
     """Tokens the format writes that must be single tokens of the tokenizer."""
 
@@ -92,7 +92,7 @@ FORMATS = {
         name="v4.1",
         encoding=dr.DeepseekV41Encoding(),
         efforts={None: None, "low": "low", "high": "high", "max": "max"},
-        numeric_effort=True,
+        v41=True,
         special_tokens=(*_V4_SPECIALS, SYSTEM),
     ),
 }
@@ -171,21 +171,21 @@ def needs_own_encoder(messages: list[dict[str, Any]], fmt: ChatFormat) -> str | 
         systems += m["role"] == "system"
         if m.get("tools") and (k > 0 or any(list(t) != _TOOL_KEYS for t in m["tools"])):
             return "tools on a later message or a schema with other keys than " + str(_TOOL_KEYS)
-    if systems > 1 and not fmt.numeric_effort:
+    if systems > 1 and not fmt.v41:
         return "several system messages"
     return None
 
 
 def effort_of(fmt: ChatFormat, value: Any) -> tuple[str | None, int | None]:
     """A row's `reasoning_effort` -> (the library's level, a V4.1 number to write instead)."""
-    if fmt.numeric_effort and isinstance(value, int) and not isinstance(value, bool):
+    if fmt.v41 and isinstance(value, int) and not isinstance(value, bool):
         if not 1 <= value <= 100:
             raise BadRow("bad_field_type", f"reasoning_effort {value} is not in 1-100")
         return "max", value
     if isinstance(value, str | type(None)) and value in fmt.efforts:
         return fmt.efforts[value], None
     known = [k for k in fmt.efforts if k is not None]
-    numbers = " or an integer 1-100" if fmt.numeric_effort else ""
+    numbers = " or an integer 1-100" if fmt.v41 else ""
     raise BadRow(
         "bad_field_type",
         f"reasoning_effort {value!r} is not one of {known}{numbers} (format {fmt.name})",
