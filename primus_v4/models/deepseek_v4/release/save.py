@@ -23,9 +23,12 @@ from primus_v4.checkpoint_formats.sharded import (
     write_checkpoint,
 )
 from primus_v4.errors import CheckpointFormatError
+from primus_v4.log import get_logger
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.model import DeepseekV4Model
 from primus_v4.models.deepseek_v4.release import state_dict_adapter as adapter
+
+log = get_logger(__name__)
 
 
 def write_release_state(
@@ -45,6 +48,12 @@ def write_release_state(
     release the model was loaded from."""
     kinds = {r.name: r.kind for r in adapter.release_tensors(cfg).values()}
     tensors = (item for piece in state for item in adapter.to_release(cfg, piece))
+    if cfg.dspark and dtype == "bfloat16":
+        log.warning(
+            "the DSpark drafter (mtp.*) is carried as released (FP8/FP4 where the release "
+            "quantizes it) beside a bf16 backbone; export with dtype fp8 for a config.json whose "
+            "quantization_config describes both"
+        )
     return write_checkpoint(
         out,
         tensors,

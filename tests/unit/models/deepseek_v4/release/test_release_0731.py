@@ -71,6 +71,16 @@ def test_fine_tune_export_carries_the_drafter(
     # the backbone was trained: its exported weights moved
     moved = [n for n in source if n.startswith("layers.") and exported[n] != source[n]]
     assert moved
+    # the export is a 0731 release again: it loads, and its fp8 export carries the drafter too
+    assert (
+        load_pretrained(out, dtype=torch.float32, progress=False).cfg.dspark
+        == config_from_release(want).dspark
+    )
+    fp8 = tmp_path / "export_fp8"
+    assert run_command(export, [], (*args[:3], str(fp8), "--no-progress", "--dtype", "fp8")) == 0
+    assert json.loads((fp8 / "config.json").read_text())["quantization_config"]["fmt"] == "e4m3"
+    exported = _stored_bytes(fp8)
+    assert [n for n in carried if exported.get(n) != source[n]] == []
 
 
 def test_save_pretrained_carries_the_drafter(release: tuple[Path, dict], tmp_path: Path) -> None:
