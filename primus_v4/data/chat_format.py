@@ -192,6 +192,18 @@ def effort_of(fmt: ChatFormat, value: Any) -> tuple[str | None, int | None]:
     )
 
 
+def port_effort(fmt: ChatFormat, value: Any) -> dict[str, Any]:
+    """A row's effort as our encoder port (dsv4_format) takes it: V4.1's number, or V4's text
+    (the library's own, read off the start of a rendered prompt)."""
+    level, number = effort_of(fmt, value)
+    if fmt.v41:
+        return {"v41_effort": number or V41_LEVELS[level]}
+    user = dr.SpecialToken.User.default_str()
+    probe = dr.Conversation([dr.UserMessage("")], thinking_mode=True, reasoning_effort=level)
+    prompt = fmt.encoding.render_conversation(probe).prompt
+    return {"v4_effort": prompt[len(BOS) : prompt.index(user)]}
+
+
 def _library_message(m: dict[str, Any], *, thinking: bool, prefix: bool = False) -> Any:
     role = m["role"]
     if role == "system":  # its tools are the conversation's (needs_own_encoder)

@@ -207,13 +207,14 @@ def _transition(msg: dict[str, Any], thinking: bool, open_think: bool, asks: boo
 
 
 def render_segments(
-    messages: list[dict[str, Any]], mode: str, v41_effort: int | None = None
+    messages: list[dict[str, Any]], mode: str, v41_effort: int | None = None, v4_effort: str = ""
 ) -> list[tuple[int, str]]:
     """(index into `messages`, rendered text) per rendered message; BOS not included.
 
     `messages` are merged (merge_tool_messages + sort_tool_results); drop-thinking removes some.
     `v41_effort`: render V4.1's format (the official `encoding/encoding.py`) at this reasoning
-    effort (written in thinking mode only); None: V4's.
+    effort (written in thinking mode only); None: V4's, with the effort text `v4_effort` before
+    the first message in thinking mode.
     """
     thinking, v41 = mode == "thinking", v41_effort is not None
     drop = not any(m.get("tools") for m in messages)
@@ -230,7 +231,10 @@ def render_segments(
     out = []
     for idx, (orig, msg) in enumerate(indexed):
         role = msg["role"]
-        text = _v41_lead(idx, role, thinking, v41_effort) if v41 else ""
+        if v41:
+            text = _v41_lead(idx, role, thinking, v41_effort)
+        else:
+            text = v4_effort if idx == 0 and thinking else ""
         if role == "system":
             text += (SYSTEM if v41 and idx > 0 else "") + _system_like(msg, v41)
         elif role == "developer":
@@ -265,13 +269,13 @@ def supervised_turns(messages: list[dict[str, Any]]) -> list[int]:
 
 
 def conversation_samples(
-    messages: list[dict[str, Any]], mode: str, v41_effort: int | None = None
+    messages: list[dict[str, Any]], mode: str, v41_effort: int | None = None, v4_effort: str = ""
 ) -> list[tuple[str, list[tuple[int, int]]]]:
     """Samples of one merged conversation: (rendered text, supervised [start, end) char spans).
 
     Samples without any supervised span are not returned.
     """
-    segments = render_segments(messages, mode, v41_effort)
+    segments = render_segments(messages, mode, v41_effort, v4_effort)
     whole = BOS + "".join(text for _, text in segments)
     spans: list[tuple[int, int]] = []
     own: list[tuple[str, list[tuple[int, int]]]] = []
@@ -286,7 +290,7 @@ def conversation_samples(
         spans = [where[i] for i in turns]
     else:
         for i in turns:
-            prefix = render_segments(messages[: i + 1], mode, v41_effort)
+            prefix = render_segments(messages[: i + 1], mode, v41_effort, v4_effort)
             text = BOS + "".join(t for _, t in prefix)
             span = (len(text) - len(prefix[-1][1]), len(text))
             if whole.startswith(text):

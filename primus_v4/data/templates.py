@@ -111,17 +111,11 @@ def row_samples(
     if own is None:
         return label, chat_format.conversation_samples(messages, mode, fmt, effort)
     # Our port of the official encoder, for what the library renders otherwise or not at all.
-    level, number = chat_format.effort_of(fmt, effort)
-    if not fmt.v41 and level != "low":
-        raise BadRow(
-            "not_in_format",
-            f"{own}: rendered here only without an effort text in format {fmt.name} "
-            f"(reasoning_effort {effort!r})",
-        )
     merged = dsv4_format.merge_tool_messages(messages)
     dsv4_format.sort_tool_results(merged)
-    v41_effort = (number or chat_format.V41_LEVELS[level]) if fmt.v41 else None
-    return label, dsv4_format.conversation_samples(merged, mode, v41_effort)
+    return label, dsv4_format.conversation_samples(
+        merged, mode, **chat_format.port_effort(fmt, effort)
+    )
 
 
 @dataclass(kw_only=True)

@@ -148,9 +148,8 @@ def port_samples(row: dict[str, Any], mode: str) -> list[chat_format.Sample]:
     """The row's samples by our port of the official V4.1 encoder (dsv4_format)."""
     messages = dsv4_format.merge_tool_messages(shapes.row_messages(row, "messages"))
     dsv4_format.sort_tool_results(messages)
-    level, number = chat_format.effort_of(V41, row.get("reasoning_effort"))
-    effort = number or chat_format.V41_LEVELS[level]
-    return dsv4_format.conversation_samples(messages, mode, effort)
+    effort = chat_format.port_effort(V41, row.get("reasoning_effort"))
+    return dsv4_format.conversation_samples(messages, mode, **effort)
 
 
 def golden(name: str, mode: str) -> dict[str, Any]:

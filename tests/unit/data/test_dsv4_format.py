@@ -268,16 +268,21 @@ def test_library_renders_as_our_port_of_the_official_encoder() -> None:
     what the library renders otherwise or not at all) give the same samples and spans; rows the
     library would render otherwise are routed to the port."""
     through_library = 0
-    for case, mode, tools in itertools.product(LIBRARY_CASES, ["chat", "thinking"], [0, 1]):
-        for schema in _TOOLS if tools else [None]:
-            row = {"messages": case, **({"tools": [schema]} if schema else {})}
+    grid = itertools.product(LIBRARY_CASES, ["chat", "thinking"], [0, 1], ["v4", "v4-0731"])
+    for case, mode, tools, name in grid:
+        fmt = chat_format.FORMATS[name]
+        for schema, effort in itertools.product(_TOOLS if tools else [None], [None, "max"]):
+            row = {"messages": case, "reasoning_effort": effort}
+            row |= {"tools": [schema]} if schema else {}
             messages = shapes.row_messages(row, "messages")
             merged = dsv4_format.merge_tool_messages(messages)
             dsv4_format.sort_tool_results(merged)
-            ours = sorted(dsv4_format.conversation_samples(merged, mode))
-            assert sorted(row_samples(row, "messages", mode)[1]) == ours, (case, mode, schema)
-            if chat_format.needs_own_encoder(messages, chat_format.V4) is None:
-                library = chat_format.conversation_samples(messages, mode, chat_format.V4)
-                assert sorted(library) == ours, (case, mode, schema)
+            port = chat_format.port_effort(fmt, effort)
+            ours = sorted(dsv4_format.conversation_samples(merged, mode, **port))
+            got = row_samples(row, "messages", mode, fmt)[1]
+            assert sorted(got) == ours, (case, mode, schema, name, effort)
+            if chat_format.needs_own_encoder(messages, fmt) is None:
+                library = chat_format.conversation_samples(messages, mode, fmt, effort)
+                assert sorted(library) == ours, (case, mode, schema, name, effort)
                 through_library += 1
-    assert through_library == 3 * 2 * 2  # all but the case with two system messages
+    assert through_library == 3 * 2 * 2 * 2 * 2  # all but the case with two system messages
