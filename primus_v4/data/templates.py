@@ -52,7 +52,6 @@ BAD_REASONS = {
     "bad_tools": "tools are not a list of function schemas",
     "bad_tool_call": "a tool call has no name or unusable arguments",
     "bad_task": "a user task is not a known task",
-    "not_in_format": "a role or field the chat format has no form for",
     "no_target": "no assistant turn to train on",
     "empty_response": "every assistant turn to train on is empty",
 }
