@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from golden_samples import golden_samples, packed_samples
 
+from primus_v4.data import chat_format, shapes
 from primus_v4.data.pipeline import PackSpec, build_or_load
 from primus_v4.data.tokenizer import TextTokenizer
 
@@ -50,3 +51,17 @@ def test_golden_conversation_packs_into_its_samples(
         f"{path.name}: got [{'; '.join(_describe(tokenizer, *g) for g in sorted(got))}], "
         f"want [{'; '.join(_describe(tokenizer, *w) for w in sorted(want))}]"
     )
+
+
+def test_library_renders_every_golden_text() -> None:
+    """deepseek-recipe's rendering (the default path) gives every golden sample's text byte for
+    byte (the ids and targets are checked through the pipeline above)."""
+    texts = 0
+    for path in GOLDEN_FILES:
+        golden = json.loads(path.read_text(encoding="utf-8"))
+        messages = shapes.row_messages(golden["row"], "messages")
+        assert chat_format.needs_own_encoder(messages, chat_format.V4) is None, path.name
+        got = chat_format.conversation_samples(messages, golden["mode"], chat_format.V4)
+        assert sorted(t for t, _ in got) == sorted(s["text"] for s in golden["samples"])
+        texts += len(got)
+    assert texts == 23
