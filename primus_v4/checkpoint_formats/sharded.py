@@ -469,6 +469,7 @@ def write_checkpoint(
     max_shard_bytes: int = 5 * 2**30,
     extra_files: Sequence[str | os.PathLike] = (),
     progress: Callable[[int], None] | None = None,
+    carry: Callable[[Path], Mapping[str, str]] | None = None,
 ) -> WriteSummary:
     """Write release-named tensors as a release directory, atomically.
 
@@ -478,7 +479,8 @@ def write_checkpoint(
     hold at most `max_shard_bytes` (a single larger tensor gets its own shard); `extra_files`
     (tokenizer files) are copied in. Everything is written to a temp directory that is renamed
     to `out_dir` when complete, so a reader never sees a half-written checkpoint.
-    `progress(n)` is called per written tensor.
+    `progress(n)` is called per written tensor. `carry(temp_dir)` writes further shards there
+    (tensors copied as stored, carried.py) and returns their weight map, which joins the index.
     """
     if dtype not in ("bfloat16", "fp8"):
         raise CheckpointFormatError(f"export dtype '{dtype}': expected 'bfloat16' or 'fp8'")
@@ -486,9 +488,14 @@ def write_checkpoint(
     out_dir = Path(out_dir)
     tmp = _prepare_target(out_dir)
     try:
-        shard_names, weight_map, total = _write_shards(
+        _, weight_map, total = _write_shards(
             tmp, tensors, storage, dtype, max_shard_bytes, progress
         )
+        if carry is not None:
+            carried = dict(carry(tmp))
+            weight_map.update(carried)
+            for shard in set(carried.values()):
+                total += sum(t.nbytes for t in read_header(tmp / shard).values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         release_config = _release_config(config, dtype)
@@ -502,7 +509,10 @@ def write_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return WriteSummary(
-        directory=out_dir, shards=len(shard_names), tensors=len(weight_map), total_bytes=total
+        directory=out_dir,
+        shards=len(set(weight_map.values())),
+        tensors=len(weight_map),
+        total_bytes=total,
     )
 
 

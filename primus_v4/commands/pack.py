@@ -38,6 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "reasoning rendered) or auto (thinking for rows with reasoning_content; default)",
     )
     parser.add_argument(
+        "--chat-format",
+        default="auto",
+        choices=("auto", "v4", "v4-0731", "v4.1"),
+        help="conversation format, rendered by DeepSeek's deepseek-recipe: v4, v4-0731 (0731's "
+        "reasoning-effort texts), v4.1; auto (default): the release's config.json beside the "
+        "tokenizer (--tokenizer), else V4.1 when the tokenizer has <｜System｜>, else v4",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="seed of the draws for fractional source weights"
     )
     parser.add_argument(
@@ -100,6 +108,7 @@ def summary_table(stats: dict[str, Any]) -> str:
         ("cache dir", stats.get("cache_dir", "")),
         ("format", stats.get("format", "")),
         ("rows read", stats.get("num_rows", "")),
+        ("chat format", stats.get("chat_format", "")),
         ("chat modes (rows)", _fmt(stats.get("chat_modes", {}))),
         ("bad rows", _fmt(stats["bad_rows"])),
         *(
@@ -183,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         data=data,
         format=args.format,
         chat_mode=args.chat_mode,
+        chat_format=args.chat_format,
         seed=args.seed,
         seq_length=args.seq_length,
         algorithm=args.algorithm,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from primus_v4.config.schema import RunConfig
+from primus_v4.data import chat_format
 from primus_v4.data.pipeline import PackSpec
 from primus_v4.errors import CheckpointFormatError, ConfigError, DataError
 from primus_v4.models import (
@@ -223,6 +224,22 @@ def pretrained_model_config(spec: ModelSpec, directory: str, overrides: dict[str
         raise ConfigError(f"model.pretrained={directory!r} / model.overrides: {exc}") from None
 
 
+CHAT_FORMATS = {"deepseek_v4": "v4", "deepseek_v41": "v4.1"}
+"""model family -> the conversation format of its releases (V4-0731 is told by its config.json)."""
+
+
+def chat_format_of(cfg: RunConfig) -> str:
+    """data.chat_format, `auto` resolved from the run's model: model.pretrained's config.json
+    (model_type, V4-0731's dspark_* keys), else the family of the preset."""
+    if cfg.data.chat_format != "auto":
+        return cfg.data.chat_format
+    if cfg.model.pretrained is not None:
+        found = chat_format.release_format(Path(cfg.model.pretrained))
+        if found is not None:
+            return found
+    return CHAT_FORMATS.get(model_family(cfg), "v4")
+
+
 def tokenizer_of(cfg: RunConfig) -> str | None:
     """data.tokenizer, else the pretrained checkpoint's tokenizer.json, else None (DeepSeek's)."""
     if cfg.data.tokenizer is not None or cfg.model.pretrained is None:
@@ -249,6 +266,7 @@ def pack_spec(cfg: RunConfig, *, split: str | None = None) -> PackSpec:
             split=split,
             format=d.format,
             chat_mode=d.chat_mode,
+            chat_format=chat_format_of(cfg),
             seed=cfg.train.seed,
             seq_length=d.seq_length,
             algorithm=d.algorithm,

@@ -34,6 +34,10 @@ class DataConfig:
     chat_mode: Literal["chat", "thinking", "auto"] = "auto"
     """DeepSeek-V4 rendering: `chat` (answers open with `</think>`), `thinking` (`<think>`,
     reasoning rendered), `auto` (thinking for a row with any reasoning_content, else chat)."""
+    chat_format: Literal["auto", "v4", "v4-0731", "v4.1"] = "auto"
+    """Conversation format (rendered by DeepSeek's `deepseek-recipe`): `v4`, `v4-0731` (V4's,
+    with 0731's reasoning-effort texts), `v4.1` (`<｜System｜>`, efforts 1-100), or `auto`: the
+    format of the run's model (model.pretrained's config.json, else the preset's family)."""
     seq_length: int = 512
     """Tokens per row (pack). Micro-batch rows are always exactly this long."""
     layout: Literal["thd", "bshd"] = "thd"

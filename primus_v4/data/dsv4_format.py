@@ -1,5 +1,8 @@
-"""The DeepSeek-V4 conversation format: messages -> rendered strings + supervised character spans.
+"""Our port of the DeepSeek-V4 encoder, for what `deepseek-recipe` cannot render as it does.
 
+Conversations are rendered by DeepSeek's library (chat_format.py); rows with a developer role,
+a user task, a response_format, wo_eos, a latest_reminder, several system messages or tool
+schemas of other keys come here (chat_format.needs_own_encoder says why for each).
 A re-implementation of the release's `encoding/encoding_dsv4.py` rendering (the rules in brief:
 README_thd_packed.md, "The DeepSeek-V4 conversation format"; golden samples of the release
 encoder: tests/fixtures/dsv4_format/), kept message-for-message equal to it, plus the
@@ -26,6 +29,10 @@ THINK = "<think>"
 END_THINK = "</think>"
 DSML = "｜DSML｜"
 LATEST_REMINDER = "<｜latest_reminder｜>"
+SYSTEM = "<｜System｜>"  # V4.1
+V41_EFFORT = (
+    "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+)
 TASK_TOKENS = {
     "action": "<｜action｜>",
     "query": "<｜query｜>",
@@ -76,9 +83,18 @@ def to_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def tools_block(tools: list[dict[str, Any]]) -> str:
+def tools_block(tools: list[dict[str, Any]], v41: bool = False) -> str:
     """`tools` are function objects ({name, description, parameters}), one JSON line each."""
-    return _TOOLS_PREAMBLE + "\n".join(to_json(t) for t in tools) + _TOOLS_CLOSING
+    return _spelled(_TOOLS_PREAMBLE, v41) + "\n".join(to_json(t) for t in tools) + _TOOLS_CLOSING
+
+
+def _spelled(dsml: str, v41: bool) -> str:
+    """DSML markup as V4.1 spells it: `<｜DSML｜ calls>`, `<｜DSML｜ invoke`, ` parameter`."""
+    if not v41:
+        return dsml
+    for old, new in (("tool_calls", " calls"), ("invoke", " invoke"), ("parameter", " parameter")):
+        dsml = dsml.replace(DSML + old, DSML + new)
+    return dsml
 
 
 def _dsml_call(call: dict[str, Any]) -> str:
@@ -136,17 +152,24 @@ def sort_tool_results(messages: list[dict[str, Any]]) -> None:
                 msg["blocks"] = [next(ranked) if b[0] == "tool" else b for b in msg["blocks"]]
 
 
-def _last_user(messages: list[dict[str, Any]]) -> int:
+def _asks(messages: list[dict[str, Any]], idx: int, v41: bool) -> bool:
+    """A turn the assistant answers: user or developer, and in V4.1 a system message after the
+    first message (a mid-conversation system message)."""
+    role = messages[idx]["role"]
+    return role in ("user", "developer") or (v41 and role == "system" and idx > 0)
+
+
+def _last_user(messages: list[dict[str, Any]], v41: bool = False) -> int:
     for idx in range(len(messages) - 1, -1, -1):
-        if messages[idx]["role"] in ("user", "developer"):
+        if _asks(messages, idx, v41):
             return idx
     return -1
 
 
-def _system_like(msg: dict[str, Any]) -> str:
+def _system_like(msg: dict[str, Any], v41: bool = False) -> str:
     text = msg.get("content") or ""
     if msg.get("tools"):
-        text += "\n\n" + tools_block(msg["tools"])
+        text += "\n\n" + tools_block(msg["tools"], v41)
     if msg.get("response_format") is not None:
         text += "\n\n" + _RESPONSE_FORMAT + to_json(msg["response_format"])
     return text
@@ -160,9 +183,11 @@ def _user_text(msg: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-def _assistant(idx: int, messages: list[dict[str, Any]], thinking: bool, keep: bool) -> str:
+def _assistant(
+    idx: int, messages: list[dict[str, Any]], thinking: bool, keep: bool, v41: bool
+) -> str:
     msg = messages[idx]
-    calls = dsml_block(msg["tool_calls"]) if msg.get("tool_calls") else ""
+    calls = _spelled(dsml_block(msg["tool_calls"]), v41) if msg.get("tool_calls") else ""
     after_task = idx > 0 and messages[idx - 1].get("task") is not None
     reasoning = ""
     if thinking and not after_task and keep:
@@ -170,52 +195,70 @@ def _assistant(idx: int, messages: list[dict[str, Any]], thinking: bool, keep: b
     return reasoning + (msg.get("content") or "") + calls + ("" if msg.get("wo_eos") else EOS)
 
 
-def _transition(msg: dict[str, Any], thinking: bool, open_think: bool) -> str:
+def _transition(msg: dict[str, Any], thinking: bool, open_think: bool, asks: bool) -> str:
     task = msg.get("task")
     if task is not None:
         if task != "action":
             return TASK_TOKENS[task]
         return ASSISTANT + (THINK if thinking else END_THINK) + TASK_TOKENS[task]
-    if msg["role"] in ("user", "developer"):
+    if asks:
         return ASSISTANT + (THINK if thinking and open_think else END_THINK)
     return ""
 
 
-def render_segments(messages: list[dict[str, Any]], mode: str) -> list[tuple[int, str]]:
+def render_segments(
+    messages: list[dict[str, Any]], mode: str, v41_effort: int | None = None, v4_effort: str = ""
+) -> list[tuple[int, str]]:
     """(index into `messages`, rendered text) per rendered message; BOS not included.
 
     `messages` are merged (merge_tool_messages + sort_tool_results); drop-thinking removes some.
+    `v41_effort`: render V4.1's format (the official `encoding/encoding.py`) at this reasoning
+    effort (written in thinking mode only); None: V4's, with the effort text `v4_effort` before
+    the first message in thinking mode.
     """
-    thinking = mode == "thinking"
+    thinking, v41 = mode == "thinking", v41_effort is not None
     drop = not any(m.get("tools") for m in messages)
     indexed = list(enumerate(messages))
     if thinking and drop:
-        last = _last_user(messages)
+        last = _last_user(messages, v41)
         indexed = [
             (i, m if m["role"] != "assistant" or i >= last else {**m, "reasoning_content": None})
             for i, m in indexed
             if i >= last or m["role"] != "developer"
         ]
     msgs = [m for _, m in indexed]
-    last = _last_user(msgs)
+    last = _last_user(msgs, v41)
     out = []
     for idx, (orig, msg) in enumerate(indexed):
         role = msg["role"]
-        if role == "system":
-            text = _system_like(msg)
-        elif role == "developer":
-            text = USER + _system_like(msg)
-        elif role == "user":
-            text = USER + _user_text(msg)
-        elif role == "latest_reminder":
-            text = LATEST_REMINDER + msg["content"]
+        if v41:
+            text = _v41_lead(idx, role, thinking, v41_effort)
         else:
-            text = _assistant(idx, msgs, thinking, keep=not drop or idx > last)
+            text = v4_effort if idx == 0 and thinking else ""
+        if role == "system":
+            text += (SYSTEM if v41 and idx > 0 else "") + _system_like(msg, v41)
+        elif role == "developer":
+            text += USER + _system_like(msg, v41)
+        elif role == "user":
+            text += USER + _user_text(msg)
+        elif role == "latest_reminder":
+            text += LATEST_REMINDER + msg["content"]
+        else:
+            text += _assistant(idx, msgs, thinking, keep=not drop or idx > last, v41=v41)
         nxt = msgs[idx + 1]["role"] if idx + 1 < len(msgs) else None
         if nxt is None or nxt in ("assistant", "latest_reminder"):
-            text += _transition(msg, thinking, open_think=not drop or idx >= last)
+            open_think = not drop or idx >= last
+            text += _transition(msg, thinking, open_think, _asks(msgs, idx, v41))
         out.append((orig, text))
     return out
+
+
+def _v41_lead(idx: int, role: str, thinking: bool, effort: int) -> str:
+    """V4.1's prompt opening, before the first message: `<｜System｜>` when it is a system
+    message or an effort line follows (thinking mode), then the effort line."""
+    if idx > 0 or not (thinking or role == "system"):
+        return ""
+    return SYSTEM + (V41_EFFORT.format(effort) if thinking else "")
 
 
 def supervised_turns(messages: list[dict[str, Any]]) -> list[int]:
@@ -225,45 +268,14 @@ def supervised_turns(messages: list[dict[str, Any]]) -> list[int]:
     ]
 
 
-def plain_chat_samples(
-    messages: list[dict[str, Any]],
-) -> list[tuple[str, list[tuple[int, int]]]] | None:
-    """Chat-mode samples of the common shape, system* (user assistant)+ with text only, built
-    directly (the general path gives the same; this one skips merging and per-message
-    dispatch). None when the conversation has any other shape."""
-    k = 0
-    while k < len(messages) and messages[k]["role"] == "system":
-        if messages[k].get("tools") or messages[k].get("response_format") is not None:
-            return None
-        k += 1
-    if k == len(messages) or (len(messages) - k) % 2:
-        return None
-    parts = [BOS, *(m["content"] or "" for m in messages[:k])]
-    offset = sum(map(len, parts))
-    spans = []
-    for user, answer in zip(messages[k::2], messages[k + 1 :: 2], strict=True):
-        if user["role"] != "user" or user.get("task") is not None or answer["role"] != "assistant":
-            return None
-        if answer.get("tool_calls") or answer.get("wo_eos"):
-            return None
-        prompt = USER + user["content"] + ASSISTANT + END_THINK
-        completion = (answer["content"] or "") + EOS
-        parts += (prompt, completion)
-        offset += len(prompt)
-        if answer.get("weight", 1) != 0:
-            spans.append((offset, offset + len(completion)))
-        offset += len(completion)
-    return [("".join(parts), spans)] if spans else []
-
-
 def conversation_samples(
-    messages: list[dict[str, Any]], mode: str
+    messages: list[dict[str, Any]], mode: str, v41_effort: int | None = None, v4_effort: str = ""
 ) -> list[tuple[str, list[tuple[int, int]]]]:
     """Samples of one merged conversation: (rendered text, supervised [start, end) char spans).
 
     Samples without any supervised span are not returned.
     """
-    segments = render_segments(messages, mode)
+    segments = render_segments(messages, mode, v41_effort, v4_effort)
     whole = BOS + "".join(text for _, text in segments)
     spans: list[tuple[int, int]] = []
     own: list[tuple[str, list[tuple[int, int]]]] = []
@@ -278,7 +290,7 @@ def conversation_samples(
         spans = [where[i] for i in turns]
     else:
         for i in turns:
-            prefix = render_segments(messages[: i + 1], mode)
+            prefix = render_segments(messages[: i + 1], mode, v41_effort, v4_effort)
             text = BOS + "".join(t for _, t in prefix)
             span = (len(text) - len(prefix[-1][1]), len(text))
             if whole.startswith(text):

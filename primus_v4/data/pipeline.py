@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from primus_v4.data import cache, holdout
+from primus_v4.data import cache, chat_format, holdout
 from primus_v4.data.corpus import CorpusSource, read_rows, resolve_source
 from primus_v4.data.mixing import SourceSpec, integral, parse_sources, weighted_samples
 from primus_v4.data.packed_corpus import PackedCorpus
@@ -66,6 +66,8 @@ class PackSpec:
     data: str | Sequence[Any] = "synthetic"
     format: str = "auto"  # messages | sharegpt | alpaca | prompt_completion | auto (detected)
     chat_mode: str = "auto"  # chat | thinking | auto (thinking for rows with reasoning)
+    # v4 | v4-0731 | v4.1 | auto (the release beside the tokenizer, else the tokenizer's)
+    chat_format: str = "auto"
     seq_length: int = 4096  # tokens per pack
     algorithm: str = "ffd"  # ffd | bfd
     overlong: str = "truncate"  # samples longer than seq_length: truncate | drop
@@ -86,6 +88,7 @@ class PackSpec:
         for name, value, allowed in (
             *(("format", f, FORMATS) for f in formats),
             ("chat_mode", self.chat_mode, CHAT_MODES),
+            ("chat_format", self.chat_format, chat_format.CHOICES),
             ("algorithm", self.algorithm, ALGORITHMS),
             ("overlong", self.overlong, OVERLONG),
             ("split", self.split, holdout.SPLITS),
@@ -102,6 +105,11 @@ class PackSpec:
         if self.knobs == "config":
             return "data.lock_timeout_s" if name == "lock_timeout_s" else f"data.{name}"
         return "--lock-timeout" if name == "lock_timeout_s" else "--" + name.replace("_", "-")
+
+    def resolved_chat_format(self, tokenizer_dir: Path) -> str:
+        if self.chat_format != "auto":
+            return self.chat_format
+        return chat_format.detect(tokenizer_dir)
 
     def sources(self) -> tuple[SourceSpec, ...]:
         return parse_sources(self.data)
@@ -140,6 +148,7 @@ def key_fields(spec: PackSpec, sources: Resolved, tokenizer_dir: Path) -> dict[s
             for s, src in sources
         ],
         "chat_mode": spec.chat_mode,
+        "chat_format": spec.resolved_chat_format(tokenizer_dir),
         "tokenizer": tokenizer_identity(tokenizer_dir),
         "template": TEMPLATE_ID,
         "seq_length": spec.seq_length,
@@ -227,6 +236,7 @@ def _render_sources(
             fmt=s.format or spec.format,
             where=src.describe(),
             chat_mode=spec.chat_mode,
+            chat_format_name=spec.resolved_chat_format(tokenizer.dir),
             strict=spec.strict,
             strict_knob=spec.knob("strict"),
             progress=bar,
@@ -398,6 +408,7 @@ def _build(
         num_rows=sum(info["rows"] for info in table.info),
         format=",".join(dict.fromkeys(info["format"] for info in table.info)),
         chat_modes=dict(sorted(modes.items())),
+        chat_format=spec.resolved_chat_format(tokenizer_dir),
         sources=table.info,
     )
     manifest = {"pad_id": tokenizer.special.pad, "stats": stats}

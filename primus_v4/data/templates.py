@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from primus_v4.data import dsv4_format, shapes
+from primus_v4.data import chat_format, dsv4_format, shapes
 from primus_v4.data.corpus import NOT_JSON, RawRow
 from primus_v4.data.shapes import BadRow
 from primus_v4.data.tokenizer import TextTokenizer
@@ -29,7 +29,7 @@ from primus_v4.log import get_logger
 log = get_logger(__name__)
 
 # Part of the cache key: bump when rendering changes for the same rows and tokenizer.
-TEMPLATE_ID = "deepseek_v4_encoding/v2"
+TEMPLATE_ID = "deepseek_recipe-0.2/v3"
 FORMATS = (*shapes.SHAPES, "auto")
 # The stats' chat-mode count of rows whose reasoning a forced chat mode does not render.
 CHAT_WITHOUT_REASONING = "chat, reasoning not rendered"
@@ -91,11 +91,12 @@ def resolve_format(rows: Sequence[RawRow], fmt: str, where: str) -> str:
 
 
 def row_samples(
-    value: Any, shape: str, chat_mode: str
-) -> tuple[str, list[tuple[str, list[tuple[int, int]]]]]:
+    value: Any, shape: str, chat_mode: str, fmt: chat_format.ChatFormat = chat_format.V4
+) -> tuple[str, list[chat_format.Sample]]:
     """One row -> (chat mode used, samples as (text, supervised char spans)); raises BadRow.
 
     The mode reads CHAT_WITHOUT_REASONING for a row with reasoning rendered in forced chat mode.
+    A top-level `reasoning_effort` (the Chat Completions field) sets the effort.
     """
     if not isinstance(value, dict):
         raise BadRow("not_an_object", f"a {type(value).__name__}, not a JSON object")
@@ -104,13 +105,16 @@ def row_samples(
     thinking = any(m.get("reasoning_content") for m in messages if m["role"] == "assistant")
     mode = ("thinking" if thinking else "chat") if chat_mode == "auto" else chat_mode
     label = CHAT_WITHOUT_REASONING if mode == "chat" and thinking else mode
-    if mode == "chat":
-        plain = dsv4_format.plain_chat_samples(messages)
-        if plain is not None:
-            return label, plain
+    effort = value.get("reasoning_effort")
+    own = chat_format.needs_own_encoder(messages, fmt)
+    if own is None:
+        return label, chat_format.conversation_samples(messages, mode, fmt, effort)
+    # Our port of the official encoder, for what the library renders otherwise or not at all.
     merged = dsv4_format.merge_tool_messages(messages)
     dsv4_format.sort_tool_results(merged)
-    return label, dsv4_format.conversation_samples(merged, mode)
+    return label, dsv4_format.conversation_samples(
+        merged, mode, **chat_format.port_effort(fmt, effort)
+    )
 
 
 @dataclass(kw_only=True)
@@ -155,6 +159,7 @@ def _collect(
     rows: Sequence[RawRow],
     shape: str,
     chat_mode: str,
+    fmt: chat_format.ChatFormat,
     *,
     strict: bool,
     split_ok: bool = True,
@@ -165,7 +170,7 @@ def _collect(
         try:
             if row.value is NOT_JSON:
                 raise BadRow("not_json", f"not valid JSON ({row.error})")
-            mode, samples = row_samples(row.value, shape, chat_mode)
+            mode, samples = row_samples(row.value, shape, chat_mode, fmt)
         except BadRow as exc:
             if strict:
                 raise DataError(
@@ -228,6 +233,7 @@ def render(
     fmt: str,
     where: str,
     chat_mode: str = "auto",
+    chat_format_name: str = "v4",
     strict: bool = False,
     progress: Callable[[str, int], Callable[[int], None]] | None = None,
     strict_knob: str = "--strict",
@@ -240,8 +246,9 @@ def render(
     if chat_mode not in CHAT_MODES:
         raise DataError(f"unknown chat mode {chat_mode!r}: expected one of {', '.join(CHAT_MODES)}")
     shape = resolve_format(rows, fmt, where)
-    out = _collect(rows, shape, chat_mode, strict=strict, split_ok=tokenizer.splits_at_specials,
-                   strict_knob=strict_knob)  # fmt: skip
+    conversation = chat_format.checked(chat_format_name, tokenizer)
+    out = _collect(rows, shape, chat_mode, conversation, strict=strict,
+                   split_ok=tokenizer.splits_at_specials, strict_knob=strict_knob)  # fmt: skip
     if out.bad:
         first = "; ".join(f"{e['where']}: {e['detail']}" for e in out.examples)
         log.warning(

@@ -163,6 +163,10 @@ class TextTokenizer:
         added = self._tok.get_added_tokens_decoder().values()
         return plain and not any(t.lstrip or t.rstrip for t in added)
 
+    def missing_tokens(self, texts: Sequence[str]) -> list[str]:
+        """Those of `texts` that are not one token of this tokenizer."""
+        return [t for t in texts if self._tok.token_to_id(t) is None]
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()

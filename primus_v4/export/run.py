@@ -214,6 +214,7 @@ def export_checkpoint(
             max_shard_bytes=max_shard_bytes,
             extra_files=tokenizer_files(tokenizer_dir),
             progress=progress,
+            carry_from=source.run.model.pretrained,  # parts of the release not trained
         )
     except OSError as exc:
         error = describe_os_error(exc, "cannot write")

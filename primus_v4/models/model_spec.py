@@ -47,7 +47,8 @@ class ReleaseFormat:
     """(model, out, *, dtype, ...) -> a release directory written from a whole model."""
     write_state: Callable[..., Any]
     """(model config, state pieces, out, *, dtype, ...) -> a release directory written from a
-    stream of state-dict pieces (a training checkpoint being exported)."""
+    stream of state-dict pieces (a training checkpoint being exported); `carry_from`: the
+    release the run started from, whose untrained parts (a drafter) are copied unchanged."""
     names: Any
     """The state-dict adapter module: `name_table`, `release_tensors`, `to_release`,
     `fill_state`, `needed` (release names <-> ours)."""

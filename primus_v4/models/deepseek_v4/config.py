@@ -61,6 +61,10 @@ class DeepseekV4Config(TransformerConfig):
     """Per decoder layer: 0 = dense sliding window, 4 = CSA, 128 = HCA."""
     mtp_compress_ratio: int = 0
     """Attention kind of each MTP depth's layer (0 = dense, 4 = CSA, 128 = HCA)."""
+    dspark: dict | None = None
+    """A DSpark drafter carried with the backbone (DeepSeek-V4-Flash-0731: `mtp.0-2`, the
+    `dspark_*` config.json keys): the release's own keys, kept to be written back on export; the
+    drafter is not part of this model (no classic MTP block), its tensors travel unchanged."""
     attn_sliding_window: int = 128
     """A query sees itself and the previous window-1 rows of its own sample, in every layer."""
     attn_sink: bool = True

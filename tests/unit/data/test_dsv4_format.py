@@ -4,12 +4,13 @@ strings were rendered by the release encoder (encoding_dsv4.py) with the served-
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 import pytest
 
-from primus_v4.data import dsv4_format, shapes
+from primus_v4.data import chat_format, dsv4_format, shapes
 from primus_v4.data.corpus import RawRow
 from primus_v4.data.dsv4_format import BOS, EOS
 from primus_v4.data.templates import render, row_samples
@@ -201,32 +202,6 @@ def test_token_ids_are_those_of_the_whole_rendered_string(tokenizer: TextTokeniz
             offset += length
 
 
-def test_plain_chat_shortcut_equals_the_general_renderer() -> None:
-    conversations = [
-        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
-        [
-            {"role": "system", "content": "A."},
-            {"role": "system", "content": "B."},
-            {"role": "user", "content": "¿Qué?"},
-            {"role": "assistant", "content": None, "weight": 0},
-            {"role": "user", "content": ""},
-            {"role": "assistant", "reasoning_content": "hidden in chat", "content": "Nada."},
-        ],
-    ]
-    for messages in conversations:
-        norm = shapes.row_messages({"messages": messages}, "messages")
-        merged = dsv4_format.merge_tool_messages(norm)
-        dsv4_format.sort_tool_results(merged)
-        plain = dsv4_format.plain_chat_samples(norm)
-        assert plain is not None and plain == dsv4_format.conversation_samples(merged, "chat")
-    # Anything else takes the general path.
-    two_users = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, ANSWER_MSG]
-    assert dsv4_format.plain_chat_samples(two_users) is None
-
-
-ANSWER_MSG = {"role": "assistant", "content": "ok"}
-
-
 def test_forced_chat_mode_counts_rows_whose_reasoning_it_does_not_render(
     tokenizer: TextTokenizer,
 ) -> None:
@@ -250,3 +225,64 @@ def test_forced_chat_mode_counts_rows_whose_reasoning_it_does_not_render(
         auto.tokens[auto.supervised]
     )
     assert render(rows[1:], tokenizer, fmt="auto", where="t").modes == {"chat": 1}
+
+
+_TOOLS = [
+    {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"a": 1}}},
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+]
+_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": [1, "é"]}'}}
+LIBRARY_CASES = [
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+    [
+        {"role": "system", "content": "A."},
+        {"role": "system", "content": "B."},
+        {"role": "user", "content": "¿Qué?"},
+        {"role": "assistant", "content": None, "weight": 0},
+        {"role": "user", "content": ""},
+        {"role": "assistant", "reasoning_content": "hidden in chat", "content": "Nada."},
+    ],
+    [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "reasoning_content": "r1", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "reasoning_content": "", "content": "d", "weight": 0},
+        {"role": "user", "content": "e"},
+        {"role": "assistant", "reasoning_content": "r3", "content": "f"},
+        {"role": "user", "content": "left unanswered"},
+    ],
+    [
+        {"role": "user", "content": "call"},
+        {"role": "assistant", "reasoning_content": "r", "content": "", "tool_calls": [_CALL]},
+        {"role": "tool", "tool_call_id": "c", "content": "42"},
+        {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": "done", "tool_calls": [_CALL]},
+        {"role": "tool", "tool_call_id": "c", "content": "43"},
+        {"role": "assistant", "reasoning_content": "r2", "content": "43."},
+    ],
+]
+
+
+def test_library_renders_as_our_port_of_the_official_encoder() -> None:
+    """deepseek-recipe (chat_format) and our port of encoding_dsv4.py (dsv4_format, kept for
+    what the library renders otherwise or not at all) give the same samples and spans; rows the
+    library would render otherwise are routed to the port."""
+    through_library = 0
+    grid = itertools.product(LIBRARY_CASES, ["chat", "thinking"], [0, 1], ["v4", "v4-0731"])
+    for case, mode, tools, name in grid:
+        fmt = chat_format.FORMATS[name]
+        for schema, effort in itertools.product(_TOOLS if tools else [None], [None, "max"]):
+            row = {"messages": case, "reasoning_effort": effort}
+            row |= {"tools": [schema]} if schema else {}
+            messages = shapes.row_messages(row, "messages")
+            merged = dsv4_format.merge_tool_messages(messages)
+            dsv4_format.sort_tool_results(merged)
+            port = chat_format.port_effort(fmt, effort)
+            ours = sorted(dsv4_format.conversation_samples(merged, mode, **port))
+            got = row_samples(row, "messages", mode, fmt)[1]
+            assert sorted(got) == ours, (case, mode, schema, name, effort)
+            if chat_format.needs_own_encoder(messages, fmt) is None:
+                library = chat_format.conversation_samples(messages, mode, fmt, effort)
+                assert sorted(library) == ours, (case, mode, schema, name, effort)
+                through_library += 1
+    assert through_library == 3 * 2 * 2 * 2 * 2  # all but the case with two system messages

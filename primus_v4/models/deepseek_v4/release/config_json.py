@@ -84,6 +84,32 @@ _ROPE_KEYS = {
     "beta_slow",
 }
 RELEASE_DEFAULTS: dict[str, Any] = {"num_hash_layers": 3, "compress_rope_theta": 160000.0}
+# DeepSeek-V4-Flash-0731: three DSpark draft stages replace the classic MTP block under the same
+# `mtp.*` names. The drafter is not trained here; these keys (with the release's
+# num_nextn_predict_layers and the compress_ratios slots past the backbone's layers) are kept
+# as read and written back on export, beside its tensors copied byte for byte.
+DSPARK_KEYS = (
+    "dspark_block_size",
+    "dspark_noise_token_id",
+    "dspark_target_layer_ids",
+    "dspark_markov_rank",
+)
+
+
+def _dspark_fields(d: dict, layers: int, source: str) -> dict[str, Any]:
+    """The model fields of a release with a DSpark drafter: no classic MTP block, the
+    release's drafter keys kept (`dspark`); {} for a release without one."""
+    present = [k for k in DSPARK_KEYS if k in d]
+    if not present:
+        return {}
+    missing = [k for k in DSPARK_KEYS if k not in d]
+    if missing:
+        raise ConfigError(f"{source}: DSpark keys {missing} are missing beside {present}")
+    ratios = d.get("compress_ratios") or []
+    kept = {k: d[k] for k in DSPARK_KEYS}
+    kept["num_nextn_predict_layers"] = d.get("num_nextn_predict_layers", 0)
+    kept["compress_ratios"] = list(ratios[layers:])  # the drafter's slots, as released
+    return {"dspark": kept, "mtp_num_layers": 0, "compress_ratios": list(ratios[:layers])}
 
 
 def _rope_fields(rope: dict | None) -> dict[str, Any]:
@@ -217,9 +243,8 @@ def config_from_release(d: dict, *, source: str = "config.json", **overrides) ->
     `overrides` are our own training fields (e.g. recompute) applied on top."""
     if is_hf_config(d):
         d = hf_to_release(d, source=source)
-    unknown = sorted(
-        set(d) - set(FIELDS) - set(_REQUIRED) - IGNORED_KEYS - {"compress_ratios", "rope_scaling"}
-    )
+    known = {"compress_ratios", "rope_scaling", *DSPARK_KEYS}
+    unknown = sorted(set(d) - set(FIELDS) - set(_REQUIRED) - IGNORED_KEYS - known)
     if unknown:
         raise ConfigError(
             f"{source}: keys {unknown} are not understood; they may change the math, so the "
@@ -236,7 +261,15 @@ def config_from_release(d: dict, *, source: str = "config.json", **overrides) ->
     values["moe_shared_expert_intermediate_size"] = values.get("moe_ffn_hidden_size")
     values["ffn_hidden_size"] = 4 * values["hidden_size"]  # TransformerConfig placeholder
     values.update(_rope_fields(d.get("rope_scaling")))
-    values.update(_ratio_fields(d, values["num_layers"], values.get("mtp_num_layers", 0)))
+    dspark = _dspark_fields(d, values["num_layers"], source)
+    if not dspark:
+        values.update(_ratio_fields(d, values["num_layers"], values.get("mtp_num_layers", 0)))
+    elif overrides.get("mtp_num_layers"):
+        raise ConfigError(
+            f"{source}: the release's mtp.* tensors are a DSpark drafter, not a classic MTP "
+            "block, so mtp_num_layers must stay 0 (the drafter is carried unchanged)"
+        )
+    values.update(dspark)
     values["num_query_groups"] = 1
     # Training choices the release does not state, as in the Flash/Pro presets.
     values.setdefault("moe_aux_loss_coeff", 0.001)
@@ -257,6 +290,9 @@ def config_to_release(cfg: DeepseekV4Config) -> dict[str, Any]:
     out["compress_ratios"] = [*cfg.compress_ratios] + [cfg.mtp_compress_ratio] * (
         cfg.mtp_num_layers or 0
     )
+    if cfg.dspark:  # the drafter's keys and slots, as the release declared them
+        out.update({k: v for k, v in cfg.dspark.items() if k != "compress_ratios"})
+        out["compress_ratios"] = [*cfg.compress_ratios, *cfg.dspark["compress_ratios"]]
     if cfg.rotary_scaling_factor > 1.0:
         out["rope_scaling"] = {
             "type": "yarn",

@@ -62,7 +62,19 @@ def read_config(path: str | os.PathLike, **overrides) -> DeepseekV4Config:
             "has none either",
             file,
         )
-    return adapter.config_from_release(d, source=str(file), **overrides)
+    cfg = adapter.config_from_release(d, source=str(file), **overrides)
+    if cfg.dspark and str(file) not in _TOLD:
+        _TOLD.add(str(file))
+        log.info(
+            "%s: a DSpark drafter (mtp.*, keys %s) in place of a classic MTP block: it is not "
+            "trained (the MTP loss is off) and exports carry it byte for byte",
+            file,
+            sorted(k for k in cfg.dspark if k.startswith("dspark_")),
+        )
+    return cfg
+
+
+_TOLD: set[str] = set()  # releases whose drafter the log has named (once per process)
 
 
 def open_release(path: str | os.PathLike) -> CheckpointReader:
@@ -78,7 +90,8 @@ def check_consumed(reader: CheckpointReader, cfg: DeepseekV4Config) -> None:
     wanted = adapter.release_tensors(cfg)
     have = set(reader.names())
     missing = [n for n in wanted if n not in have]
-    unused = sorted(n for n in have - set(wanted) if not adapter.ignored(n))
+    carried = set(adapter.carried(cfg, have))
+    unused = sorted(n for n in have - set(wanted) - carried if not adapter.ignored(n))
     wrong = [n for n in wanted if n in have and tuple(reader.shape(n)) != wanted[n].shape]
     if missing or unused or wrong:
         lines = [
@@ -223,4 +236,5 @@ def load_pretrained(
     model.to_empty(device=device)
     init_buffers(model)
     load_rank_weights(model, path, progress=progress)
+    model.release_dir = Path(path)  # what save_pretrained carries a DSpark drafter from
     return model

@@ -47,6 +47,7 @@ __all__ = [
     "ReleaseTensor",
     "TableEntry",
     "build_state",
+    "carried",
     "config_from_release",
     "config_to_release",
     "fill_state",
@@ -301,6 +302,12 @@ def stored_name_map(names: Iterable[str]) -> Callable[[str], str] | None:
 def ignored(name: str) -> bool:
     """True for a checkpoint name on the documented ignore list (`IGNORED`)."""
     return any(re.search(p, name) for p in IGNORED)
+
+
+def carried(cfg: DeepseekV4Config, names: Iterable[str]) -> list[str]:
+    """Checkpoint tensors the model does not hold that an export copies byte for byte: a
+    DSpark drafter's `mtp.*` (DeepSeek-V4-Flash-0731, `cfg.dspark`)."""
+    return sorted(n for n in names if cfg.dspark and n.startswith("mtp."))
 
 
 def _entries(cfg: DeepseekV4Config, names: Iterable[str]) -> list[TableEntry]:
