@@ -58,6 +58,8 @@ TOKENIZER_FILES = (
 # the release's storage per tensor: fp8 / fp4 are quantized linear weights, the rest as named
 Storage = Literal["fp8", "fp4", "bf16", "fp32", "int64"]
 ExportDtype = Literal["bfloat16", "fp8"]
+# a storage kind of its own: (logical name, tensor) -> the stored tensors, e.g. a weight and scale
+Encoder = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
 _PLAIN_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp32": torch.float32,
@@ -406,9 +408,11 @@ class WriteSummary:
 
 
 def _encode(
-    name: str, tensor: torch.Tensor, storage: str, dtype: ExportDtype
+    name: str, tensor: torch.Tensor, storage: str | Encoder, dtype: ExportDtype
 ) -> list[tuple[str, torch.Tensor]]:
     """One logical tensor -> the stored tensors (a weight and maybe its scale)."""
+    if callable(storage):
+        return storage(name, tensor)
     if storage in ("fp8", "fp4") and dtype == "fp8":
         if tensor.ndim != 2 or not name.endswith(".weight"):
             raise CheckpointFormatError(
@@ -432,7 +436,13 @@ def _encode(
 
 
 def _release_config(config: dict, dtype: ExportDtype) -> dict:
-    """The config.json to write: `quantization_config` (and FP4 experts) only for fp8."""
+    """The config.json to write: `quantization_config` (and FP4 experts) only for fp8. A
+    config that brings its own (a release's config.json, other blocks than DeepSeek-V4's) keeps
+    it as given for fp8 and drops it for bf16."""
+    if "quantization_config" in config:
+        return config if dtype == "fp8" else {
+            k: v for k, v in config.items() if k != "quantization_config"
+        }  # fmt: skip
     out = {k: v for k, v in config.items() if k not in ("quantization_config", "expert_dtype")}
     out["torch_dtype"] = "bfloat16"
     if dtype == "fp8":
@@ -469,16 +479,19 @@ def write_checkpoint(
     max_shard_bytes: int = 5 * 2**30,
     extra_files: Sequence[str | os.PathLike] = (),
     progress: Callable[[int], None] | None = None,
+    carry: Callable[[Path], Mapping[str, str]] | None = None,
 ) -> WriteSummary:
     """Write release-named tensors as a release directory, atomically.
 
     `tensors` is consumed lazily (one shard's worth is held at a time); `kinds[name]` (a mapping
-    or a callable) says how the release stores each tensor (a model adapter's storage kinds);
+    or a callable) says how the release stores each tensor (a model adapter's storage kinds, or
+    an `Encoder` that gives the stored tensors itself);
     `dtype` "bfloat16" stores fp8/fp4 tensors as bf16, "fp8" quantizes them like the release. Shards
     hold at most `max_shard_bytes` (a single larger tensor gets its own shard); `extra_files`
     (tokenizer files) are copied in. Everything is written to a temp directory that is renamed
     to `out_dir` when complete, so a reader never sees a half-written checkpoint.
-    `progress(n)` is called per written tensor.
+    `progress(n)` is called per written tensor. `carry(temp_dir)` writes further shards there
+    (tensors copied as stored, carried.py) and returns their weight map, which joins the index.
     """
     if dtype not in ("bfloat16", "fp8"):
         raise CheckpointFormatError(f"export dtype '{dtype}': expected 'bfloat16' or 'fp8'")
@@ -486,9 +499,14 @@ def write_checkpoint(
     out_dir = Path(out_dir)
     tmp = _prepare_target(out_dir)
     try:
-        shard_names, weight_map, total = _write_shards(
+        _, weight_map, total = _write_shards(
             tmp, tensors, storage, dtype, max_shard_bytes, progress
         )
+        if carry is not None:
+            carried = dict(carry(tmp))
+            weight_map.update(carried)
+            for shard in set(carried.values()):
+                total += sum(t.nbytes for t in read_header(tmp / shard).values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         release_config = _release_config(config, dtype)
@@ -502,7 +520,10 @@ def write_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return WriteSummary(
-        directory=out_dir, shards=len(shard_names), tensors=len(weight_map), total_bytes=total
+        directory=out_dir,
+        shards=len(set(weight_map.values())),
+        tensors=len(weight_map),
+        total_bytes=total,
     )
 
 
@@ -612,6 +633,7 @@ __all__ = [
     "FP4_BLOCK",
     "CheckpointFormatError",
     "CheckpointReader",
+    "Encoder",
     "Storage",
     "WriteSummary",
     "tokenizer_files",
