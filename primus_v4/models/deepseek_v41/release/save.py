@@ -100,6 +100,19 @@ def _as_released(reader: CheckpointReader) -> Callable[[str, torch.Tensor], list
     return encode
 
 
+def _check_complete(reader: CheckpointReader, given: set[str]) -> list[str]:
+    """The source's tensors not in `given`; raises naming them unless all are outside the
+    text model."""
+    left = [n for n in reader.names() if n not in given]
+    text = [n for n in left if not not_text(n)]
+    if text:
+        raise CheckpointFormatError(
+            f"{reader.directory}: {len(text)} tensor(s) of the text model were not given "
+            f"to the export: {', '.join(text[:8])}{' ...' if len(text) > 8 else ''}"
+        )
+    return left
+
+
 def _carry(
     reader: CheckpointReader, given: set[str], carried: list[str]
 ) -> Callable[[Path], dict[str, str]]:
@@ -107,13 +120,7 @@ def _carry(
     left are copied as stored (all of them outside the text model, else an error)."""
 
     def carry(tmp: Path) -> dict[str, str]:
-        left = [n for n in reader.names() if n not in given]
-        text = [n for n in left if not not_text(n)]
-        if text:
-            raise CheckpointFormatError(
-                f"{reader.directory}: {len(text)} tensor(s) of the text model were not given "
-                f"to the export: {', '.join(text[:8])}{' ...' if len(text) > 8 else ''}"
-            )
+        left = _check_complete(reader, given)
         carried.extend(s for n in left for s in _stored_names(reader, n))
         if not carried:
             return {}
@@ -139,6 +146,8 @@ def save_release(
     given: set[str] = set()
     carried: list[str] = []
     with CheckpointReader(source) as reader:
+        if isinstance(tensors, Mapping):  # known up front: refused before anything is written
+            _check_complete(reader, set(tensors))
         encode = _as_released(reader)
 
         def storage(name: str) -> str | Callable:

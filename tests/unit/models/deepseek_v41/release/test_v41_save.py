@@ -134,8 +134,11 @@ def test_a_tensor_of_the_wrong_shape_is_refused(decoded: dict, tmp_path: Path) -
 
 def test_missing_and_unknown_tensors_are_refused(decoded: dict, tmp_path: Path):
     missing = {n: t for n, t in decoded.items() if n != "layers.9.attn.wo_a.weight"}
-    with pytest.raises(CheckpointFormatError, match=r"1 tensor\(s\) .*: layers\.9\.attn\.wo_a\."):
-        save_release(missing, RELEASE, tmp_path / "a")
+    for given in (missing, [missing]):  # a dict is checked up front, a stream at its end
+        with pytest.raises(
+            CheckpointFormatError, match=r"1 tensor\(s\) .*: layers\.9\.attn\.wo_a\."
+        ):
+            save_release(given, RELEASE, tmp_path / "a")
     unknown = dict(decoded) | {"layers.0.attn.wq_c.weight": torch.zeros(2, 2)}
     with pytest.raises(CheckpointFormatError, match=r"'layers\.0\.attn\.wq_c\.weight': the rel"):
         save_release(unknown, RELEASE, tmp_path / "b")
