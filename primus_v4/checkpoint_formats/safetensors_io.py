@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,6 +161,8 @@ class ShardWriter:
         self._file.seek(0)
         self._file.write(self.room.to_bytes(8, "little"))
         self._file.write(header + b" " * (self.room - len(header)))
+        self._file.flush()
+        os.fsync(self._file.fileno())  # on disk before the directory holding it is published
         self._file.close()
 
     def abort(self) -> None:

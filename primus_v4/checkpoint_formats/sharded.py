@@ -58,6 +58,8 @@ TOKENIZER_FILES = (
 # the release's storage per tensor: fp8 / fp4 are quantized linear weights, the rest as named
 Storage = Literal["fp8", "fp4", "bf16", "fp32", "int64"]
 ExportDtype = Literal["bfloat16", "fp8"]
+# a storage kind of its own: (logical name, tensor) -> the stored tensors, e.g. a weight and scale
+Encoder = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
 _PLAIN_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp32": torch.float32,
@@ -406,9 +408,11 @@ class WriteSummary:
 
 
 def _encode(
-    name: str, tensor: torch.Tensor, storage: str, dtype: ExportDtype
+    name: str, tensor: torch.Tensor, storage: str | Encoder, dtype: ExportDtype
 ) -> list[tuple[str, torch.Tensor]]:
     """One logical tensor -> the stored tensors (a weight and maybe its scale)."""
+    if callable(storage):
+        return storage(name, tensor)
     if storage in ("fp8", "fp4") and dtype == "fp8":
         if tensor.ndim != 2 or not name.endswith(".weight"):
             raise CheckpointFormatError(
@@ -432,7 +436,13 @@ def _encode(
 
 
 def _release_config(config: dict, dtype: ExportDtype) -> dict:
-    """The config.json to write: `quantization_config` (and FP4 experts) only for fp8."""
+    """The config.json to write: `quantization_config` (and FP4 experts) only for fp8. A
+    config that brings its own (a release's config.json, other blocks than DeepSeek-V4's) keeps
+    it as given for fp8 and drops it for bf16."""
+    if "quantization_config" in config:
+        return config if dtype == "fp8" else {
+            k: v for k, v in config.items() if k != "quantization_config"
+        }  # fmt: skip
     out = {k: v for k, v in config.items() if k not in ("quantization_config", "expert_dtype")}
     out["torch_dtype"] = "bfloat16"
     if dtype == "fp8":
@@ -474,7 +484,8 @@ def write_checkpoint(
     """Write release-named tensors as a release directory, atomically.
 
     `tensors` is consumed lazily (one shard's worth is held at a time); `kinds[name]` (a mapping
-    or a callable) says how the release stores each tensor (a model adapter's storage kinds);
+    or a callable) says how the release stores each tensor (a model adapter's storage kinds, or
+    an `Encoder` that gives the stored tensors itself);
     `dtype` "bfloat16" stores fp8/fp4 tensors as bf16, "fp8" quantizes them like the release. Shards
     hold at most `max_shard_bytes` (a single larger tensor gets its own shard); `extra_files`
     (tokenizer files) are copied in. Everything is written to a temp directory that is renamed
@@ -622,6 +633,7 @@ __all__ = [
     "FP4_BLOCK",
     "CheckpointFormatError",
     "CheckpointReader",
+    "Encoder",
     "Storage",
     "WriteSummary",
     "tokenizer_files",

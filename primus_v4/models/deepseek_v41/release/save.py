@@ -1,0 +1,170 @@
+"""DeepSeek-V4.1 out in its release layout, beside the release it came from.
+
+`save_release(tensors, source, out, dtype=...)` writes {release name: float tensor} (decoded,
+[out, in], routed experts one tensor per expert and projection, as `release/tensors.py` reads
+them) as a release directory at `out`, atomically (a temp directory renamed into place):
+- `dtype="fp8"` (as released): every tensor in its release kind (tensors.py): FP8 32 x 32,
+  FP4 experts, Engram FP8 rows, bf16 and fp32 as stored. A block whose values equal the
+  source's keeps the source's bytes (requantize.py: the block scale is not always recoverable
+  from decoded values), so an unchanged release is written back bit for bit;
+- `dtype="bfloat16"`: the quantized kinds as bf16, the rest as stored.
+Each tensor must be one the source stores, of the source's shape; every text tensor of the
+source must be given. The source's tensors that are not the text model (`tensors.not_text`:
+vision tower, `aligner.*`, `image_*`, DSpark `mtp.*`, `bias_vl`) and were not given are copied
+byte for byte (carried.py) and named in one log line; any other source tensor left out is an
+error. config.json is the source's (without `quantization_config` for bf16); the tokenizer
+files are copied.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from primus_v4.checkpoint_formats.carried import copy_carried
+from primus_v4.checkpoint_formats.requantize import requantize
+from primus_v4.checkpoint_formats.sharded import (
+    SCALE_SUFFIXES,
+    CheckpointReader,
+    ExportDtype,
+    WriteSummary,
+    tokenizer_files,
+    write_checkpoint,
+)
+from primus_v4.errors import CheckpointFormatError
+from primus_v4.log import get_logger
+from primus_v4.models.deepseek_v41.release.tensors import (
+    FORMATS,
+    check_stored,
+    kind_of,
+    not_text,
+    read_stored,
+)
+
+log = get_logger(__name__)
+Tensors = Mapping[str, torch.Tensor]
+
+
+@dataclass(kw_only=True, frozen=True)
+class ReleaseExport:
+    """What `save_release` wrote: the writer's summary and the stored names carried over."""
+
+    summary: WriteSummary
+    carried: list[str]
+
+
+def _stored_names(reader: CheckpointReader, name: str) -> list[str]:
+    """The stored tensors of logical `name`: itself and its scale when it has one."""
+    stored = set(reader.stored_names())
+    base = name.removesuffix(".weight")
+    scales = [base + s for s in SCALE_SUFFIXES if name.endswith(".weight") and base + s in stored]
+    return [name, *scales]
+
+
+def _checked(reader: CheckpointReader, pieces: Iterable[Tensors], given: set[str]) -> Iterator:
+    """(name, tensor) of every piece, each checked against the source as it streams past."""
+    known = set(reader.names())
+    for piece in pieces:
+        for name, tensor in piece.items():
+            where = reader.directory
+            if name not in known:
+                raise CheckpointFormatError(f"'{name}': the release {where} has no such tensor")
+            if tuple(tensor.shape) != reader.shape(name):
+                raise CheckpointFormatError(
+                    f"'{name}' {list(tensor.shape)}: the release {where} stores it as "
+                    f"{list(reader.shape(name))}"
+                )
+            if name in given:
+                raise CheckpointFormatError(f"'{name}' given twice to save_release")
+            check_stored(reader, name, kind_of(name))
+            given.add(name)
+            yield name, tensor
+
+
+def _as_released(reader: CheckpointReader) -> Callable[[str, torch.Tensor], list]:
+    """The encoder of the quantized kinds for an export as released (see requantize.py)."""
+
+    def encode(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        fmt = FORMATS[kind_of(name)]
+        weight, scale = read_stored(reader, name, fmt)
+        try:
+            q, s = requantize(tensor, weight, scale, fmt=fmt)
+        except ValueError as err:
+            raise CheckpointFormatError(f"'{name}': {err}") from None
+        return [(name, q), (name.removesuffix(".weight") + ".scale", s)]
+
+    return encode
+
+
+def _check_complete(reader: CheckpointReader, given: set[str]) -> list[str]:
+    """The source's tensors not in `given`; raises naming them unless all are outside the
+    text model."""
+    left = [n for n in reader.names() if n not in given]
+    text = [n for n in left if not not_text(n)]
+    if text:
+        raise CheckpointFormatError(
+            f"{reader.directory}: {len(text)} tensor(s) of the text model were not given "
+            f"to the export: {', '.join(text[:8])}{' ...' if len(text) > 8 else ''}"
+        )
+    return left
+
+
+def _carry(
+    reader: CheckpointReader, given: set[str], carried: list[str]
+) -> Callable[[Path], dict[str, str]]:
+    """The writer's `carry` hook: once every given tensor is written, the source's tensors
+    left are copied as stored (all of them outside the text model, else an error)."""
+
+    def carry(tmp: Path) -> dict[str, str]:
+        left = _check_complete(reader, given)
+        carried.extend(s for n in left for s in _stored_names(reader, n))
+        if not carried:
+            return {}
+        log.info("%s: not part of the text model, carried byte for byte: %s",
+                 reader.directory, ", ".join(carried))  # fmt: skip
+        return copy_carried(reader.directory, tmp, carried)
+
+    return carry
+
+
+def save_release(
+    tensors: Tensors | Iterable[Tensors],
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: ExportDtype = "fp8",
+    max_shard_bytes: int = 5 * 2**30,
+    progress: Callable[[int], None] | None = None,
+) -> ReleaseExport:
+    """Write `tensors` (one dict, or a stream of dicts that together hold the text model) in
+    the layout of the release at `source` to `out`; see the module docstring."""
+    pieces = [tensors] if isinstance(tensors, Mapping) else tensors
+    given: set[str] = set()
+    carried: list[str] = []
+    with CheckpointReader(source) as reader:
+        if isinstance(tensors, Mapping):  # known up front: refused before anything is written
+            _check_complete(reader, set(tensors))
+        encode = _as_released(reader)
+
+        def storage(name: str) -> str | Callable:
+            kind = kind_of(name)
+            if kind in FORMATS:
+                return encode if dtype == "fp8" else "fp8"  # bfloat16: quantized kinds as bf16
+            return kind
+
+        summary = write_checkpoint(
+            out,
+            _checked(reader, pieces, given),
+            storage,
+            reader.config,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            extra_files=tokenizer_files(reader.directory),
+            progress=progress,
+            carry=_carry(reader, given, carried),
+        )
+    return ReleaseExport(summary=summary, carried=carried)
