@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override one config value, parsed as YAML (repeatable; wins over the file), e.g. "
-        "--set train.steps=5 --set data.path=corpus.jsonl",
+        help="override one config value (repeatable; wins over the file), read as the key's type: "
+        "a string key takes the text literally (a path may hold ' #'), others parse it as YAML, "
+        "e.g. --set train.steps=5 --set data.path=corpus.jsonl",
     )
     parser.add_argument(
         "--dry-run",
