@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="RUN_OR_CHECKPOINT_DIR",
         help="a run's output dir, its checkpoint.dir, or one step_XXXXXXXX checkpoint dir; the "
-        "checkpoint is verified as resume verifies it (a damaged newest one is skipped, a named "
-        "damaged step refused)",
+        "checkpoint is verified as resume verifies it, and a damaged one (the newest, or --step) "
+        "refused by name",
     )
     parser.add_argument(
         "--step", type=int, default=None, help="export this step (default: the latest complete)"
