@@ -330,6 +330,8 @@ def _publish(root: Path, tmp: Path, final: Path, step: int) -> None:
         trash = root / f".trash_{final.name}_{os.getpid()}"
         os.replace(final, trash)
         os.replace(tmp, final)
+        if trash.is_symlink():  # a link's target is not this checkpoint dir's to delete
+            trash.unlink()
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
