@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -60,4 +61,22 @@ def writable_problem(path: str | Path) -> str | None:
         return f"{path} is not writable{where}: {exc.strerror}"
     os.close(fd)
     os.unlink(probe)
+    return None
+
+
+def overlap_problem(output: str | Path, inputs: Mapping[str, str | Path | None]) -> str | None:
+    """Why writing `output` would overwrite or mix with one of `inputs` ({name: path}; links
+    resolved): the same path, inside an input directory, or holding an input. None when apart
+    (an input that does not exist here, e.g. `synthetic` or a hub name, cannot be hit)."""
+    out = Path(output).expanduser().resolve()
+    for name, given in inputs.items():
+        if given is None or not Path(given).expanduser().exists():
+            continue
+        path = Path(given).expanduser().resolve()
+        if out == path:
+            return f"it is {name} {given}"
+        if out.is_relative_to(path):
+            return f"it is inside {name} {given}"
+        if path.is_relative_to(out):
+            return f"{name} {given} is inside it"
     return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,12 +66,27 @@ def check_out(out: Path) -> None:
         raise PathError(f"--out {out}: {problem}; choose a directory you can write to")
 
 
+def check_apart(out: Path, run: str, source: Any) -> None:
+    """--out must not be, hold, or lie inside anything the export reads."""
+    from primus_v4.durable import overlap_problem
+    from primus_v4.errors import PathError
+
+    cfg = source.run
+    inputs = {"--run": run, "the checkpoint": source.checkpoint,
+              "the base release (model.pretrained)": cfg.model.pretrained,
+              "the tokenizer (data.tokenizer)": cfg.data.tokenizer}  # fmt: skip
+    clash = overlap_problem(out, inputs)
+    if clash is not None:
+        raise PathError(f"--out {out}: {clash}; choose a directory apart from what export reads")
+
+
 def _run_peft(args: argparse.Namespace) -> int:
     import torch
 
     from primus_v4.export.run import export_adapters, find_source
 
     source = find_source(args.run, args.step)
+    check_apart(Path(args.out), args.run, source)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     summary = export_adapters(source, args.out, dtype=dtype)
     print(
@@ -107,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_peft(args)
     dtype = args.dtype or "bfloat16"
     source = find_source(args.run, args.step)
+    check_apart(Path(args.out), args.run, source)
     with tqdm(
         total=release_tensor_count(source), desc="exporting", unit="tensor",
         disable=args.no_progress,
