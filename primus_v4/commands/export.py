@@ -55,15 +55,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_out(out: Path) -> None:
     """--out must be new (or an empty dir) and creatable: checked before anything is read."""
-    from primus_v4.durable import writable_problem
+    from primus_v4.durable import remove_stale, writable_problem
     from primus_v4.errors import PathError
+    from primus_v4.log import get_logger
 
+    log = get_logger(__name__)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         what = "is not empty" if out.is_dir() else "exists and is not a directory"
         raise PathError(f"--out {out} {what}; choose a new directory (export never overwrites)")
     problem = writable_problem(out)
     if problem is not None:
         raise PathError(f"--out {out}: {problem}; choose a directory you can write to")
+    left = remove_stale(out.parent, f".{out.name}.partial-")
+    if left:
+        log.warning("removed %s in %s, left by an export to %s that was killed", ", ".join(left),
+                    out.parent, out)  # fmt: skip
 
 
 def check_apart(out: Path, run: str, source: Any) -> None:
