@@ -4,7 +4,8 @@
 # for 3 steps with 2 processes (DP2); the config's global batch follows dp unless GBS is set.
 #
 #   NPROC=2 bash run_scripts/run_local.sh                      # CPU: well under a minute
-#   NPROC=2 PRIMUS_CP=2 PRIMUS_SEQ_LENGTH=512 bash run_scripts/run_local.sh
+#   NPROC=2 PRIMUS_CP=2 PRIMUS_SEQ_LENGTH=512 PRIMUS_OUTPUT_DIR=outputs/run_local_cp2 \
+#     bash run_scripts/run_local.sh
 #   PRIMUS_DEVICE=gpu NPROC=8 PRIMUS_CONFIG=... bash run_scripts/run_local.sh
 #   DRY_RUN=1 bash run_scripts/run_local.sh                    # validate, print JSON + command
 # Knobs left empty keep the config file's value.

@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         return 3
     main_rank = os.environ.get("RANK", "0") == "0"  # the one writer of output.dir
     if args.dry_run:
-        run_dirs.check(cfg)
+        if os.environ.get("NODE_RANK", "0") == "0":  # other nodes' checks race node 0's start
+            run_dirs.check(cfg)
         payload = {**to_dict(cfg), "derived": resolved.summary()}
         print(json.dumps(payload, separators=(",", ":"), sort_keys=False))
         return 0
