@@ -292,7 +292,7 @@ def _noting_sigint() -> Iterator[list[bool]]:
 
 def _interrupted(root: Path, tmp: Path, final: Path) -> Interrupted:
     """Ctrl-C mid-save: the partial save removed, and the step a rerun resumes from."""
-    partial = tmp.exists()
+    partial = tmp.exists() or not integrity.is_complete(final)  # else it was published
     shutil.rmtree(tmp, ignore_errors=True)
     removed = f"removed the partial {tmp.name}; " if partial else ""
     done = integrity.complete_checkpoints(root)
