@@ -84,12 +84,12 @@ primus_add_set output.dir "${PRIMUS_OUTPUT_DIR}"
 # GBS empty: the config's global batch follows dp (raised to a multiple of micro batch x dp), so
 # a config written for one process runs on NPROC; a GBS you set is checked as given.
 if [[ -z "${GBS}" ]]; then
-  FITTED_GBS="$(cd "${PRIMUS_REPO_ROOT}" && "${PRIMUS_PYTHON}" \
+  fitted_gbs="$(cd "${PRIMUS_REPO_ROOT}" && "${PRIMUS_PYTHON}" \
     "${PRIMUS_REPO_ROOT}/run_scripts/lib/fit_global_batch.py" "${NPROC}" "${PRIMUS_CONFIG}" \
     "${PRIMUS_SETS[@]}")" || primus_die_with "${PRIMUS_EXIT_INTERNAL}" "could not read the global batch of ${PRIMUS_CONFIG}"
-  if [[ -n "${FITTED_GBS}" ]]; then
-    primus_log "train.global_batch_size follows dp: ${FITTED_GBS} for NPROC=${NPROC} (set GBS to choose)"
-    primus_add_set train.global_batch_size "${FITTED_GBS}"
+  if [[ -n "${fitted_gbs}" ]]; then
+    primus_log "train.global_batch_size follows dp: ${fitted_gbs} for NPROC=${NPROC} (set GBS to choose)"
+    primus_add_set train.global_batch_size "${fitted_gbs}"
   fi
 fi
 

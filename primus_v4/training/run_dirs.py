@@ -243,8 +243,9 @@ def check(cfg: RunConfig) -> None:
 def _dirs(cfg: RunConfig) -> list[tuple[str, Path]]:
     out = Path(cfg.output.dir).absolute()
     dirs = [("output.dir", out)]
-    if cfg.checkpoint.dir and Path(cfg.checkpoint.dir).absolute() != out:
-        dirs.append(("checkpoint.dir", Path(cfg.checkpoint.dir).absolute()))
+    ck = Path(cfg.checkpoint.dir).absolute() if cfg.checkpoint.dir else None
+    if ck is not None and ck.resolve() != out.resolve():  # one lock for one dir, links resolved
+        dirs.append(("checkpoint.dir", ck))
     return dirs
 
 
