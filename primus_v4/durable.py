@@ -10,8 +10,12 @@ catches read-only mounts and holds for root, for whom permission bits do not app
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import tempfile
+import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -61,3 +65,56 @@ def writable_problem(path: str | Path) -> str | None:
     os.close(fd)
     os.unlink(probe)
     return None
+
+
+def overlap_problem(output: str | Path, inputs: Mapping[str, str | Path | None]) -> str | None:
+    """Why writing `output` would overwrite or mix with one of `inputs` ({name: path}; links
+    resolved): the same path, inside an input directory, or holding an input. None when apart
+    (an input that does not exist here, e.g. `synthetic` or a hub name, cannot be hit)."""
+    out = Path(output).expanduser().resolve()
+    for name, given in inputs.items():
+        if given is None or not Path(given).expanduser().exists():
+            continue
+        path = Path(given).expanduser().resolve()
+        if out == path:
+            return f"it is {name} {given}"
+        if out.is_relative_to(path):
+            return f"it is inside {name} {given}"
+        if path.is_relative_to(out):
+            return f"{name} {given} is inside it"
+    return None
+
+
+def partial_path(target: Path) -> Path:
+    """A temp name beside `target` for building it (renamed into place when complete); the pid
+    in it tells a later command whether its writer still runs (`remove_stale`)."""
+    return target.parent / f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _writer_runs(name: str, prefix: str) -> bool:
+    pid = name[len(prefix) :].partition("-")[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(directory: Path, prefix: str) -> list[str]:
+    """Remove what a killed writer left in `directory` (entries named `prefix<pid>...` whose
+    process no longer runs; a name without a pid, from an older version, counts as left);
+    returns their names."""
+    removed = []
+    for path in sorted(directory.glob(f"{glob.escape(prefix)}*")) if directory.is_dir() else []:
+        if _writer_runs(path.name, prefix):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed

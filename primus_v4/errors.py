@@ -65,6 +65,12 @@ class ResumeError(PrimusError):
     exit_code = ExitCode.RESUME
 
 
+class Interrupted(PrimusError):
+    """Ctrl-C stopped the command; the message says what was cleaned up and where to go on."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+
 class PathError(PrimusError):
     """A path that cannot be read, created or written, or an output that already exists."""
 

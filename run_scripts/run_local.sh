@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One machine, NPROC processes through the same torchrun path as the cluster recipes: gloo on
 # CPU, or one process per GPU. Defaults train the tiny DeepSeek-V4 (primus_v4/configs/runs/tiny_cpu_thd.yaml)
-# for 3 steps with 2 processes (DP2).
+# for 3 steps with 2 processes (DP2); the config's global batch follows dp unless GBS is set.
 #
 #   NPROC=2 bash run_scripts/run_local.sh                      # CPU: well under a minute
-#   NPROC=2 PRIMUS_CP=2 PRIMUS_SEQ_LENGTH=512 bash run_scripts/run_local.sh
+#   NPROC=2 PRIMUS_CP=2 PRIMUS_SEQ_LENGTH=512 PRIMUS_OUTPUT_DIR=outputs/run_local_cp2 \
+#     bash run_scripts/run_local.sh
 #   PRIMUS_DEVICE=gpu NPROC=8 PRIMUS_CONFIG=... bash run_scripts/run_local.sh
 #   DRY_RUN=1 bash run_scripts/run_local.sh                    # validate, print JSON + command
 # Knobs left empty keep the config file's value.
@@ -36,9 +37,9 @@ esac
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 SOCKET_IFNAME="${SOCKET_IFNAME:-}"
 primus_export_network
-# One machine: no rendezvous to protect, and the trainer validates the config at start, so the
-# separate validation pass (a second torch import) is skipped unless asked for.
-PRIMUS_PREFLIGHT="${PRIMUS_PREFLIGHT:-0}"
+# The config is validated before torchrun starts (PRIMUS_PREFLIGHT=0 skips it): a bad value is
+# then one line and its exit status, not NPROC tracebacks and torchrun's own.
+PRIMUS_PREFLIGHT="${PRIMUS_PREFLIGHT:-1}"
 
 PRIMUS_CONFIG="${PRIMUS_CONFIG:-${PRIMUS_REPO_ROOT}/primus_v4/configs/runs/tiny_cpu_thd.yaml}"
 TRAIN_STEPS="${TRAIN_STEPS:-3}"
@@ -79,5 +80,17 @@ primus_add_set_if parallel.cp "${PRIMUS_CP}"
 primus_add_set_if parallel.ep "${PRIMUS_EP}"
 primus_add_set_if parallel.etp "${PRIMUS_ETP}"
 primus_add_set output.dir "${PRIMUS_OUTPUT_DIR}"
+
+# GBS empty: the config's global batch follows dp (raised to a multiple of micro batch x dp), so
+# a config written for one process runs on NPROC; a GBS you set is checked as given.
+if [[ -z "${GBS}" ]]; then
+  fitted_gbs="$(cd "${PRIMUS_REPO_ROOT}" && "${PRIMUS_PYTHON}" \
+    "${PRIMUS_REPO_ROOT}/run_scripts/lib/fit_global_batch.py" "${NPROC}" "${PRIMUS_CONFIG}" \
+    "${PRIMUS_SETS[@]}")" || primus_die_with "${PRIMUS_EXIT_INTERNAL}" "could not read the global batch of ${PRIMUS_CONFIG}"
+  if [[ -n "${fitted_gbs}" ]]; then
+    primus_log "train.global_batch_size follows dp: ${fitted_gbs} for NPROC=${NPROC} (set GBS to choose)"
+    primus_add_set train.global_batch_size "${fitted_gbs}"
+  fi
+fi
 
 primus_run

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import threading
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from primus_v4.checkpoint_formats.safetensors_io import (
     read_header,
     writable_bytes,
 )
+from primus_v4.durable import partial_path
 from primus_v4.errors import CheckpointFormatError
 
 CONFIG_FILE = "config.json"
@@ -464,7 +464,7 @@ def _prepare_target(out_dir: Path) -> Path:
             f"{out_dir}: exists and is not an empty directory; choose a new output directory"
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp = partial_path(out_dir)
     tmp.mkdir()
     return tmp
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="RUN_OR_CHECKPOINT_DIR",
         help="a run's output dir, its checkpoint.dir, or one step_XXXXXXXX checkpoint dir; the "
-        "checkpoint is verified as resume verifies it (a damaged newest one is skipped, a named "
-        "damaged step refused)",
+        "checkpoint is verified as resume verifies it, and a damaged one (the newest, or --step) "
+        "refused by name",
     )
     parser.add_argument(
         "--step", type=int, default=None, help="export this step (default: the latest complete)"
@@ -54,15 +55,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_out(out: Path) -> None:
     """--out must be new (or an empty dir) and creatable: checked before anything is read."""
-    from primus_v4.durable import writable_problem
+    from primus_v4.durable import remove_stale, writable_problem
     from primus_v4.errors import PathError
+    from primus_v4.log import get_logger
 
+    log = get_logger(__name__)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         what = "is not empty" if out.is_dir() else "exists and is not a directory"
         raise PathError(f"--out {out} {what}; choose a new directory (export never overwrites)")
     problem = writable_problem(out)
     if problem is not None:
         raise PathError(f"--out {out}: {problem}; choose a directory you can write to")
+    left = remove_stale(out.parent, f".{out.name}.partial-")
+    if left:
+        log.warning("removed %s in %s, left by an export to %s that was killed", ", ".join(left),
+                    out.parent, out)  # fmt: skip
+
+
+def check_apart(out: Path, run: str, source: Any) -> None:
+    """--out must not be, hold, or lie inside anything the export reads."""
+    from primus_v4.durable import overlap_problem
+    from primus_v4.errors import PathError
+
+    cfg = source.run
+    inputs = {"--run": run, "the checkpoint": source.checkpoint,
+              "the base release (model.pretrained)": cfg.model.pretrained,
+              "the tokenizer (data.tokenizer)": cfg.data.tokenizer}  # fmt: skip
+    clash = overlap_problem(out, inputs)
+    if clash is not None:
+        raise PathError(f"--out {out}: {clash}; choose a directory apart from what export reads")
 
 
 def _run_peft(args: argparse.Namespace) -> int:
@@ -71,6 +92,7 @@ def _run_peft(args: argparse.Namespace) -> int:
     from primus_v4.export.run import export_adapters, find_source
 
     source = find_source(args.run, args.step)
+    check_apart(Path(args.out), args.run, source)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     summary = export_adapters(source, args.out, dtype=dtype)
     print(
@@ -107,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_peft(args)
     dtype = args.dtype or "bfloat16"
     source = find_source(args.run, args.step)
+    check_apart(Path(args.out), args.run, source)
     with tqdm(
         total=release_tensor_count(source), desc="exporting", unit="tensor",
         disable=args.no_progress,

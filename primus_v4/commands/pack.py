@@ -169,6 +169,16 @@ def parse_data_args(items: list[str]) -> str | list[dict[str, Any]]:
     return sources
 
 
+def _inputs(data: str | list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """What pack reads, by the option that names it: no output may be one of them."""
+    paths = [data] if isinstance(data, str) else [s["path"] for s in data]
+    which = (lambda k: "") if len(paths) == 1 else (lambda k: f" #{k + 1}")
+    found: dict[str, Any] = {f"the corpus (--data{which(k)})": p for k, p in enumerate(paths)}
+    found.update({"the tokenizer (--tokenizer)": args.tokenizer,
+                  "the pack cache (--cache-dir)": args.cache_dir})  # fmt: skip
+    return found
+
+
 @contextmanager
 def _writing(path: Path) -> Iterator[None]:
     """Create `path`'s parent; an OSError inside is one error naming `path` (written atomically,
@@ -184,7 +194,7 @@ def _writing(path: Path) -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     from primus_v4.data.pipeline import PackSpec, build_or_load
-    from primus_v4.durable import writable_problem, write_durable
+    from primus_v4.durable import overlap_problem, writable_problem, write_durable
     from primus_v4.errors import PathError
 
     data = parse_data_args(args.data)
@@ -203,10 +213,16 @@ def run(args: argparse.Namespace) -> int:
         lock_dir=args.lock_dir,
         lock_timeout_s=args.lock_timeout,
     )
+    inputs = _inputs(data, args)
     for flag, path in (("--stats-json", args.stats_json), ("--export-jsonl", args.export_jsonl)):
         problem = None if path is None else writable_problem(path.parent)
         if problem is not None:  # before the packing pass, not after it
             raise PathError(f"{flag} {path}: {problem}")
+        clash = None if path is None else overlap_problem(path, inputs)
+        if clash is not None:
+            raise PathError(f"{flag} {path}: {clash}; write it elsewhere (pack never writes over "
+                            "what it reads)")  # fmt: skip
+        inputs[flag] = path
     corpus = build_or_load(spec, progress=not args.no_progress)
     if args.stats_json is not None:
         with _writing(args.stats_json):

@@ -11,7 +11,9 @@ run stops with one line when a pipeline stage does not fit (memory/gate.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import signal
 import sys
 from typing import Any
@@ -33,7 +35,9 @@ config reference: `primus-v4 inspect config` lists every key with its type, defa
 
 outputs: output.dir gets config.yaml (the resolved config), metrics.jsonl (one row per step) and
 loss.png; with checkpoint.dir set, rerunning the same command resumes from the newest complete
-checkpoint. SIGTERM or SIGUSR1 (scheduler preemption) saves a checkpoint after the current step
+checkpoint. One run writes a directory at a time: a second one is refused with the first one's
+host and pid, and an output.dir holding another run's outputs needs --set output.overwrite=true.
+SIGTERM or SIGUSR1 (scheduler preemption) saves a checkpoint after the current step
 and exits 0; without checkpoint.dir nothing is saved and the exit status is 128 + the signal.
 exit status by kind of failure: `primus-v4 --help` lists them.
 """
@@ -53,8 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override one config value, parsed as YAML (repeatable; wins over the file), e.g. "
-        "--set train.steps=5 --set data.path=corpus.jsonl",
+        help="override one config value (repeatable; wins over the file), read as the key's type: "
+        "a string key takes the text literally (a path may hold ' #'), others parse it as YAML, "
+        "e.g. --set train.steps=5 --set data.path=corpus.jsonl",
     )
     parser.add_argument(
         "--dry-run",
@@ -76,22 +81,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from primus_v4.config.preflight import check_paths
     from primus_v4.config.resolve import check_pretrained
+    from primus_v4.training import run_dirs
 
     cfg = load_config(args.config, args.overrides)
+    if not args.dry_run:  # recorded absolute: export and resume read them from anywhere
+        cfg = run_dirs.absolute_dirs(cfg)
     check_paths(cfg)  # seconds, before the model config imports torch
     resolved = resolve_run(cfg)
     if not _resumes(cfg):  # a resumed run reads no weights from model.pretrained
         check_pretrained(cfg, resolved.model)
     if _memory_gate(resolved, args) != 0:
         return 3
+    main_rank = os.environ.get("RANK", "0") == "0"  # the one writer of output.dir
     if args.dry_run:
+        if os.environ.get("NODE_RANK", "0") == "0":  # other nodes' checks race node 0's start
+            run_dirs.check(cfg)
         payload = {**to_dict(cfg), "derived": resolved.summary()}
         print(json.dumps(payload, separators=(",", ":"), sort_keys=False))
         return 0
 
     from primus_v4.training.trainer import Trainer
 
-    return execute(Trainer(resolved))
+    with run_dirs.claim(cfg) if main_rank else contextlib.nullcontext():
+        return execute(Trainer(resolved))
 
 
 def _resumes(cfg: Any) -> bool:
@@ -107,7 +119,6 @@ def _resumes(cfg: Any) -> bool:
 def _memory_gate(resolved: Any, args: argparse.Namespace) -> int:
     """Plan and gate (memory/gate.py); 3 when a stage does not fit. Every rank checks
     (each must stop), rank 0 prints the plan and the one-line reason on stderr."""
-    import os
 
     from primus_v4.memory import gate as memory_gate
 

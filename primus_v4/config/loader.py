@@ -1,9 +1,11 @@
 """Strict YAML -> `RunConfig`: unknown keys and wrong types are errors naming key, file and line.
 
-Order of resolution: the YAML file, then `--set a.b=c` overrides (values parsed as YAML, so
-`--set train.steps=5` is an int), then `${ENV}` / `${ENV:default}` references in string values
-(a value that is exactly one reference takes the YAML type of what it expands to). The resolved
-config round-trips: `load_config_text(dump_yaml(cfg)) == cfg`.
+Order of resolution: the YAML file, then `--set a.b=c` overrides, then `${ENV}` /
+`${ENV:default}` references in string values. A `--set` value, and a file value that is exactly
+one reference, is typed by the field it sets (`Raw`): a string field takes the text literally
+(`--set data.path=run #2/c.json` is that path, not `run` and a YAML comment), any other field
+parses it as YAML (`--set train.steps=5` is an int). The resolved config round-trips:
+`load_config_text(dump_yaml(cfg)) == cfg`.
 """
 
 from __future__ import annotations
@@ -84,16 +86,57 @@ def _parse_yaml(text: str, source: str, where: _Where) -> dict[str, Any]:
     return tree
 
 
+class _PlacedError(ConfigError):
+    """A message that already names where the value came from."""
+
+
+_NULLS = ("", "~", "null", "Null", "NULL")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class Raw:
+    """A value given as text (`--set`, or a whole `${ENV}` reference): the field's type decides
+    how it is read, so a path keeps its ` #`, `: ` and quotes-free spaces."""
+
+    text: str
+    source: str
+
+    def parsed(self) -> Any:
+        try:
+            return _plain(yaml.safe_load(self.text)) if self.text.strip() else None
+        except yaml.YAMLError as exc:
+            raise _PlacedError(yaml_problem(exc, self.source)) from None
+
+    def typed(self, hint: Any) -> Any:
+        """The text as `hint` reads it: literal for a string field (null still means None
+        where None is allowed; quoted or [list] / {mapping} text is YAML), else YAML."""
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        options = typing.get_args(hint) if union else (hint,)
+        text = self.text.strip()
+        if type(None) in options and text in _NULLS:
+            return None
+        if str in options and text and text[0] not in "[{'\"":
+            return text
+        return self.parsed()
+
+
+def _plain(value: Any) -> Any:
+    """`value` with every Raw inside read as YAML (a field of type Any, a dict or a list)."""
+    if isinstance(value, Raw):
+        return value.parsed()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _split_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     parts = key.strip().split(".")
     if not sep or len(parts) < 2 or not all(parts):
         raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.steps=5")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(yaml_problem(exc, f"--set {item!r} (value)")) from None
-    return parts, value
+    return parts, Raw(text=raw, source=f"--set {item!r} (value)")
 
 
 def apply_overrides(tree: dict[str, Any], overrides: Iterable[str], where: _Where) -> None:
@@ -103,6 +146,8 @@ def apply_overrides(tree: dict[str, Any], overrides: Iterable[str], where: _Wher
         node = tree
         for depth, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
+            if isinstance(child, Raw):  # an earlier --set gave the whole section
+                child = node[part] = child.parsed()
             if not isinstance(child, dict):
                 path = ".".join(parts[: depth + 1])
                 raise ConfigError(f"--set {item!r}: {path} is a value, not a section")
@@ -129,10 +174,16 @@ def _expand_env(value: str, key: str, where: _Where) -> Any:
     expanded = _ENV_REF.sub(lookup, value)
     if whole is None:
         return expanded
-    try:  # a value that is exactly one reference takes the YAML type of its expansion
-        return yaml.safe_load(expanded) if expanded.strip() else None
-    except yaml.YAMLError:
-        return expanded
+    # a value that is exactly one reference is typed by its field, as a --set value is
+    return Raw(text=expanded, source=f"{where(key)}: {key}: {value} = {expanded!r}")
+
+
+def _interpolate_raw(value: Raw, where: _Where, key: str) -> Raw:
+    if "${" not in value.text:
+        return value
+    expanded = _expand_env(value.text, key, where)
+    text = expanded.text if isinstance(expanded, Raw) else expanded
+    return dataclasses.replace(value, text=text)
 
 
 def interpolate(tree: Any, where: _Where, prefix: str = "") -> Any:
@@ -143,6 +194,8 @@ def interpolate(tree: Any, where: _Where, prefix: str = "") -> Any:
         return [interpolate(v, where, prefix) for v in tree]
     if isinstance(tree, str) and "${" in tree:
         return _expand_env(tree, prefix.rstrip("."), where)
+    if isinstance(tree, Raw):
+        return _interpolate_raw(tree, where, prefix.rstrip("."))
     return tree
 
 
@@ -171,6 +224,8 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
+    if isinstance(value, Raw):
+        value = value.typed(hint)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         errors = []
@@ -196,12 +251,14 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin in (dict, list):
         if not isinstance(value, origin):
             raise ConfigError(f"{key}: expected a {origin.__name__}, got {value!r}")
-        return value
+        return _plain(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
         return float(value)  # YAML 1.1 reads `1e-3` (no dot) as a string
-    if hint is Any or (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+    if hint is Any:
+        return _plain(value)
+    if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
     raise ConfigError(f"{key}: expected {_type_name(hint)}, got {type(value).__name__} {value!r}")
 
@@ -219,6 +276,8 @@ def _build_section(name: str, values: Any, where: _Where) -> Any:
         raise ConfigError(f"{where(name)}: section {name!r} must be a mapping, got {values!r}")
     try:
         return _build(cls, values, name)
+    except _PlacedError:
+        raise
     except ConfigError as exc:  # the message starts with the innermost key at fault
         key = str(exc).partition(":")[0]
         at = key if key.startswith(name) else name

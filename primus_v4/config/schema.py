@@ -362,7 +362,12 @@ class OutputConfig:
     """Where a run writes config.yaml, metrics.jsonl and loss.png."""
 
     dir: str = "outputs/tiny_cpu_thd"
-    """Run directory (created)."""
+    """Run directory (created). One run writes it at a time (locked while it runs); one that
+    holds another run's config.yaml or metrics.jsonl is refused unless this run resumes that
+    one (same checkpoint.dir) or output.overwrite is true."""
+    overwrite: bool = False
+    """Start over another run's outputs in dir: its metrics.jsonl, loss.png and tensorboard/ are
+    removed first (never its checkpoints)."""
     progress_bar: bool = True
     """tqdm bar on rank 0 (stderr)."""
     plot: bool = True

@@ -60,7 +60,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +68,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from primus_v4.durable import partial_path
 from primus_v4.errors import CheckpointError
 
 CONFIG_FILE = "adapter_config.json"
@@ -257,7 +257,7 @@ def write_peft(
             tensors[f"{KEY_PREFIX}layers.{index}.{name}"] = cast
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp = partial_path(out)
     tmp.mkdir()
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})

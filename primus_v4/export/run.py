@@ -66,9 +66,29 @@ def _present(root: Path) -> str:
     return ", ".join(steps) or "none"
 
 
+def _within(inner: Path, outer: Path) -> Path | None:
+    """`inner` relative to `outer` when it lies inside it (both as recorded), else None."""
+    a, b = Path(os.path.normpath(inner)), Path(os.path.normpath(outer))
+    if a.is_absolute() != b.is_absolute() or a.parts[: len(b.parts)] != b.parts:
+        return None
+    return Path(*a.parts[len(b.parts) :])
+
+
+def _launch_dir(run: Path, recorded_out: Path) -> Path | None:
+    """Where a run that recorded a relative output.dir was started: `run` less that tail."""
+    here = Path(os.path.normpath(run.absolute())).parts
+    tail = Path(os.path.normpath(recorded_out)).parts
+    if recorded_out.is_absolute() or not tail or here[-len(tail) :] != tail:
+        return None
+    return Path(*here[: -len(tail)])
+
+
 def _checkpoint_root(p: Path) -> Path:
     """The checkpoint dir of `--run`: the dir itself when it holds step dirs, else the
-    checkpoint.dir its config.yaml names (a run's output dir)."""
+    checkpoint.dir its config.yaml names, found from the run dir itself (not from where export
+    runs): inside the run dir it follows the run (moved or copied), elsewhere it is the absolute
+    path the run recorded, or for a run that recorded it relative, relative to where that run
+    was started (its output.dir's tail)."""
     if any(p.glob("step_*")):
         return p
     config_file = p / CONFIG_FILE
@@ -77,10 +97,22 @@ def _checkpoint_root(p: Path) -> Path:
             f"{p}: holds no step_* checkpoints and no {CONFIG_FILE}; pass a run's output dir, "
             "its checkpoint.dir or one step_XXXXXXXX dir"
         )
-    ck_dir = load_config(config_file).checkpoint.dir
-    if not ck_dir:
+    recorded = load_config(config_file)
+    if not recorded.checkpoint.dir:
         raise ExportError(f"{config_file}: checkpoint.dir is unset, so the run saved nothing")
-    return Path(ck_dir)  # as the trainer saw it (relative to the launch dir)
+    ck, out = Path(recorded.checkpoint.dir), Path(recorded.output.dir)
+    inside = _within(ck, out)
+    if inside is not None:
+        return p / inside
+    if ck.is_absolute():
+        return ck
+    launch = _launch_dir(p, out)
+    if launch is None:
+        raise ExportError(
+            f"{config_file}: checkpoint.dir {ck} is relative to where that run was started, "
+            f"which its output.dir {out} does not tell from {p}; pass the checkpoint dir itself"
+        )
+    return launch / ck
 
 
 def _verified(checkpoint: Path) -> ExportSource:
@@ -88,8 +120,8 @@ def _verified(checkpoint: Path) -> ExportSource:
     problems = integrity.problems(checkpoint, needs_config=True)
     if problems:
         raise ExportError(
-            f"cannot export {checkpoint}: {'; '.join(problems)}. Export another step "
-            f"(present: {_present(checkpoint.parent)})"
+            f"cannot export {checkpoint}: {'; '.join(problems)}. Export another step with "
+            f"--step (present: {_present(checkpoint.parent)})"
         )
     config_file = checkpoint / CONFIG_FILE
     return ExportSource(
@@ -99,8 +131,9 @@ def _verified(checkpoint: Path) -> ExportSource:
 
 def find_source(path: str | os.PathLike, step: int | None = None) -> ExportSource:
     """Resolve `--run` (a run output dir, a checkpoint dir, or one step's dir) and `--step` to a
-    verified checkpoint: without --step the newest intact one (an unusable newer one is named
-    and skipped, as resume does); a named step or step dir is exported only when intact."""
+    verified checkpoint: without --step the newest complete one, a named step or step dir, each
+    exported only when intact (a damaged newest one is refused by name, never replaced by an
+    older one the user did not ask for)."""
     p = Path(path)
     if not p.is_dir():
         raise ExportError(f"{p}: not a directory (pass a run's output dir or checkpoint dir)")
@@ -114,10 +147,10 @@ def find_source(path: str | os.PathLike, step: int | None = None) -> ExportSourc
         if not chosen.is_dir():
             raise ExportError(f"{root}: no step {step} (present: {_present(root)})")
         return _verified(chosen)
-    newest = integrity.newest_intact(root, needs_config=True)
-    if newest is None:
+    complete = integrity.complete_checkpoints(root)
+    if not complete:
         raise ExportError(f"{root}: no complete checkpoint (present: {_present(root)})")
-    return _verified(newest)
+    return _verified(complete[-1])
 
 
 def model_config_of(source: ExportSource) -> Any:

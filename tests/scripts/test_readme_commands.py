@@ -1,7 +1,9 @@
 """The READMEs' commands run as written. The Flash quick starts resolve under DRY_RUN=1 to a run
 with a checkpoint dir, and their `export --run` is the run dir that recipe writes; the
-fresh-machine command trains the documented default; every `primus-v4 pack` and `train` example
-of README.md's CLI section runs on the in-repo demo corpora (train ones as --dry-run)."""
+fresh-machine command trains the documented default; every `primus-v4 pack` example of README.md's
+CLI section runs on the in-repo demo corpora; every `train` example of both READMEs validates
+(--dry-run) and writes an output dir of its own; every recipe launch resolves; and every command
+of every bash block is run here or named with the reason it is not."""
 
 from __future__ import annotations
 
@@ -131,16 +133,6 @@ def test_cli_pack_examples_pack_the_demo_corpora(
         assert got["bad_rows"] == {} and got["dropped"] == 0 and got["num_packs"] > 0, argv
 
 
-def test_cli_train_examples_validate(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.chdir(REPO)
-    for argv in _cli_examples("train"):
-        dry = argv if "--dry-run" in argv else [*argv, "--dry-run"]
-        assert main(dry) == 0, f"primus-v4 {shlex.join(argv)}: {capsys.readouterr().err}"
-        capsys.readouterr()
-
-
 def test_benchmarks_default_to_the_demo_corpus() -> None:
     # `python benchmarks/bench_layouts.py` (README.md, Using the CLI) reads no data outside REPO.
     for name, attr in (("bench_layouts", "DEFAULT_DATA"), ("bench_packing", "DEMO")):
@@ -178,3 +170,117 @@ def test_lora_section_commands_run(tmp_path: Path, capsys: pytest.CaptureFixture
     ]
     assert sorted(e.format for e in exports) == ["peft", "release"]
     assert all(REPO / e.run == run_dirs[0] for e in exports)  # the 4k run
+
+
+# Every command of every ```bash block in both READMEs is run by a test of this file (train as
+# --dry-run, a recipe as DRY_RUN=1, pack on the demo corpora, export against the run dir its
+# recipe writes), or is one of these, which need what a test machine does not have.
+READMES = ("README.md", "README_thd_packed.md")
+NOT_RUN = {
+    "pip install": "installs packages (the fresh-machine test runs its `primus-v4 train`)",
+    "bash tests/run.sh": "the test suite itself",
+    "vllm serve": "an inference server (the export tests load the result in transformers)",
+    "docker": "a container build (tests/scripts/test_script_lint.py lints the Dockerfile)",
+    "primus-v4 inspect checkpoint": "reads the checkpoint the train command above it writes",
+}
+
+
+def _all_commands() -> list[tuple[str, list[str]]]:
+    """(readme, words) of every command in every ```bash block, continuation lines joined."""
+    found = []
+    for readme in READMES:
+        text = (REPO / readme).read_text(encoding="utf-8")
+        for block in re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if words:
+                    found.append((readme, words))
+    return found
+
+
+def _launch(words: list[str]) -> tuple[dict[str, str], str] | None:
+    """A recipe launch (`VAR=value ... bash run_scripts/X.sh`): its environment and script."""
+    if "bash" not in words or not words[words.index("bash") + 1 :][:1]:
+        return None
+    at = words.index("bash")
+    script = words[at + 1]
+    if not script.startswith("run_scripts/"):
+        return None
+    return dict(w.split("=", 1) for w in words[:at]), Path(script).name
+
+
+def _not_run(words: list[str]) -> str | None:
+    line = " ".join(words)
+    return next((why for start, why in NOT_RUN.items() if start in line), None)
+
+
+def test_every_readme_command_is_run_by_a_test() -> None:
+    runs = {"primus-v4 train", "primus-v4 pack", "primus-v4 export", "python benchmarks/"}
+    for readme, words in _all_commands():
+        line = " ".join(words)
+        covered = _launch(words) or _not_run(words) or any(line.startswith(r) for r in runs)
+        assert covered, f"{readme}: `{line}` is run by no test; run it in this file"
+
+
+def _train_commands() -> list[tuple[str, list[str]]]:
+    return [
+        (readme, words[words.index("primus-v4") + 1 :])
+        for readme, words in _all_commands()
+        if "primus-v4" in words and words[words.index("primus-v4") + 1 :][:1] == ["train"]
+    ]
+
+
+def test_readme_train_examples_validate_and_write_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every `primus-v4 train` of both READMEs passes --dry-run as written (my_run.yaml: a copy
+    of the shipped tiny config with its own output.dir, as the README suggests starting one;
+    /mnt/nfs: a directory here), and no two
+    write one output dir: run one after the other, none is refused for, or clobbers, another's
+    metrics."""
+    import shutil
+
+    from primus_v4.config.loader import DEFAULT_CONFIG
+
+    work = tmp_path / "repo"
+    shutil.copytree(REPO / "examples", work / "examples")
+    own = DEFAULT_CONFIG.read_text().replace(
+        "${PRIMUS_OUTPUT_DIR:outputs/tiny_cpu_thd}", "outputs/my_run"
+    )
+    (work / "my_run.yaml").write_text(own)
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("PRIMUS_OUTPUT_DIR", raising=False)
+    written: dict[str, str] = {}
+    for readme, argv in _train_commands():
+        argv = [w.replace("/mnt/nfs", str(tmp_path / "nfs")) for w in argv]
+        dry = argv if "--dry-run" in argv else [*argv, "--dry-run"]
+        assert main(dry) == 0, f"{readme}: primus-v4 {shlex.join(argv)}: {capsys.readouterr().err}"
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["output"]["dir"]
+        if "--dry-run" not in argv:
+            assert out not in written, f"{readme}: `{shlex.join(argv)}` writes {out} as " + (
+                f"`{written.get(out)}` does"
+            )
+            written[out] = shlex.join(argv)
+    assert len(written) >= 7, written
+
+
+def test_readme_recipe_launches_run_as_written(tmp_path: Path) -> None:
+    """Each recipe launch of the READMEs resolves (DRY_RUN=1): the cluster recipes as they would
+    start on node 0, run_local.sh as validated before its torchrun (tests/scripts/test_run_local.py
+    trains it for real); the Flash and LoRA sections' launches run in the tests above. run_local.sh
+    commands name output dirs of their own (no output dir given: the default, once)."""
+    above = [*FLASH_BLOCKS, ("README.md", "LoRA")]
+    done = [_launch(words) for r, h in above for words in _commands(r, h)]
+    launches = [(r, _launch(w)) for r, w in _all_commands() if _launch(w) not in (None, *done)]
+    assert len(launches) >= 5, launches
+    local_dirs = []
+    for k, (readme, (env, script)) in enumerate(launches):
+        env = {**env, "DRY_RUN": "1"}
+        assert "PRIMUS_PRETRAINED" not in env, "a release launch: run it beside the Flash ones"
+        if script == "run_local.sh":
+            local_dirs.append(env.get("PRIMUS_OUTPUT_DIR", "default"))
+        env["PRIMUS_OUTPUT_DIR"] = str(tmp_path / f"out{k}")
+        run = run_recipe(script, tmp_path, **env)
+        assert run.returncode == 0, f"{readme}: {script} {env}: {run.stderr[-2000:]}"
+        assert run.resolved["output_dir"] == env["PRIMUS_OUTPUT_DIR"]
+    assert len(local_dirs) == len(set(local_dirs)) >= 2, local_dirs

@@ -59,6 +59,18 @@ CASES = {
     ),
 }  # fmt: skip
 
+# Values taken literally, documented commands as written (a real launch: DRY_RUN=0).
+CASES.update({
+    "run_local.sh: PRIMUS_DATA_PATH holding ' #'": (
+        "run_local.sh", {"PRIMUS_DATA_PATH": "{tmp}/rc/run #2/c.json"}, ExitCode.PATH,
+        "rc/run #2/c.json",
+    ),
+    "run_local.sh: GBS not divisible by dp at a real launch": (
+        "run_local.sh", {"DRY_RUN": "0", "NPROC": "2", "GBS": "1", "PRIMUS_DEVICE": "cpu"},
+        ExitCode.CONFIG, "train.global_batch_size=1 must be divisible by",
+    ),
+})  # fmt: skip
+
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_bad_knob_is_one_line_and_an_exit_status(name: str, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """`NPROC=2 bash run_scripts/run_local.sh` trains the tiny model on CPU through torchrun (gloo):
-the README's multi-process example, end to end, kept small (seq 512, 3 steps)."""
+the README's multi-process example, end to end, kept small (seq 512, 3 steps), with the shipped
+config's global batch (1) following dp."""
 
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ def test_run_local_trains_tiny_model_on_two_cpu_processes(tmp_path):
         PRIMUS_DEVICE="cpu",
         TRAIN_STEPS="3",
         PRIMUS_SEQ_LENGTH="512",
-        GBS="2",  # one pack per rank per step: the smallest run that still does DP2
+        # no GBS: the config's global batch of 1 follows dp (2), as the README runs it
         PRIMUS_DATA_PATH="synthetic",
         MASTER_PORT=str(_free_port()),
     )
     out = tmp_path / "out"
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "train.global_batch_size follows dp: 2 for NPROC=2" in run.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) for r in rows)

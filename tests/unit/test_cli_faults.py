@@ -12,7 +12,9 @@ table of cases (command, input, exit status, message) as it runs."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -491,6 +493,170 @@ def _(ws: Ws):
 @case("inspect memory: --config missing", ExitCode.CONFIG, "does not exist")
 def _(ws: Ws):
     yield ["inspect", "memory", "--config", str(ws.tmp / "none.yaml")]
+
+
+# --- one writer per run, paths taken literally, interrupts -----------------------------------
+
+
+def _hold(directory: Path, **holder: object) -> None:
+    """A lock file of a run that is not this test's: `holder` names it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ".primus-v4.lock").write_text(json.dumps(holder))
+
+
+def _other_runs_outputs(run: Path) -> None:
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(f"checkpoint:\n  dir: {run / 'elsewhere'}\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+
+
+@case("train: checkpoint.dir in use by a live run", ExitCode.RESUME,
+      f"is in use by another run: pid {os.getpid()} on host")  # fmt: skip
+def _(ws: Ws):
+    import fcntl
+
+    ck = ws.ck()
+    _hold(ck, host=socket.gethostname(), pid=os.getpid(), since="2026-01-01 00:00:00")
+    fd = os.open(ck / ".primus-v4.lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the other run: this process, through another open file
+    try:
+        yield ws.train_sets(f"checkpoint.dir={ck}", "train.steps=3")
+    finally:
+        os.close(fd)
+
+
+@case("train --dry-run: output.dir held by a run on another host", ExitCode.PATH,
+      "pid 4242 on host node-7")  # fmt: skip
+def _(ws: Ws):
+    _hold(ws.tmp / "run", host="node-7", pid=4242, since="2026-01-01 00:00:00")
+    yield ["train", "--dry-run", "--set", f"output.dir={ws.tmp / 'run'}"]
+
+
+@case("train: output.dir holds another run's outputs", ExitCode.PATH,
+      "already holds another run's outputs (config.yaml, metrics.jsonl)")  # fmt: skip
+def _(ws: Ws):
+    _other_runs_outputs(ws.tmp / "run")
+    yield ws.train_sets()
+
+
+@case("train --dry-run: output.dir holds another run's outputs", ExitCode.PATH,
+      "set output.overwrite=true to replace them")  # fmt: skip
+def _(ws: Ws):
+    _other_runs_outputs(ws.tmp / "run")
+    yield ["train", "--dry-run", "--set", f"output.dir={ws.tmp / 'run'}"]
+
+
+@case("train: --set data.path holding ' #'", ExitCode.PATH, "rc/run #2/c.json")
+def _(ws: Ws):
+    (ws.tmp / "rc" / "run").mkdir(parents=True)  # what the path cut at ' #' would name
+    (ws.tmp / "rc" / "run" / "other.jsonl").write_text(GOOD_ROW)
+    yield ["train", "--dry-run", "--set", f"data.path={ws.tmp}/rc/run #2/c.json"]
+
+
+@case("train: --set checkpoint.dir holding ' #' under a file", ExitCode.PATH, "is under the file")
+def _(ws: Ws):
+    ws.file("f #1", "")
+    yield ["train", "--dry-run", "--set", f"checkpoint.dir={ws.tmp}/f #1/ck"]
+
+
+@case("train: --set output.dir holding ': ' under a file", ExitCode.PATH, "is under the file")
+def _(ws: Ws):
+    ws.file("f: 1", "")
+    yield ["train", "--dry-run", "--set", f"output.dir={ws.tmp}/f: 1/run"]
+
+
+@case("train: Ctrl-C during a checkpoint save", ExitCode.INTERRUPTED,
+      "removed the partial .tmp_step_00000002; a rerun of the same command resumes from "
+      "step_00000001")  # fmt: skip
+def _(ws: Ws):
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+
+    real = dcp.save
+
+    def interrupted(state, *, checkpoint_id, **kwargs):  # type: ignore[no-untyped-def]
+        real(state, checkpoint_id=checkpoint_id, **kwargs)
+        if Path(checkpoint_id).name.endswith("2"):
+            try:  # torch's writers turn Ctrl-C into an error of their own
+                os.kill(os.getpid(), signal.SIGINT)
+            except KeyboardInterrupt:
+                raise RuntimeError(
+                    "PytorchStreamWriter failed writing file: unexpected pos"
+                ) from None
+
+    dcp.save = interrupted
+    sets = ("data.path=synthetic:rows=24", "data.seq_length=256", "train.steps=2",
+            "train.warmup_steps=0", "checkpoint.interval=1", "output.progress_bar=false",
+            "output.plot=false", f"output.dir={ws.tmp / 'run'}", f"checkpoint.dir={ws.tmp / 'ck'}",
+            f"data.cache_dir={ws.tmp / 'cache'}", f"data.lock_dir={ws.tmp / 'locks'}")  # fmt: skip
+    try:
+        yield ["train", *(a for item in sets for a in ("--set", item))]
+    finally:
+        dcp.save = real
+
+
+@case("export: newest checkpoint damaged", ExitCode.CHECKPOINT,
+      "step_00000002: ")  # fmt: skip
+def _(ws: Ws):
+    ck = ws.ck()
+    damage(next((ck / "step_00000002").glob("*.distcp")))
+    yield _export(ws, ck)
+
+
+@case("export: --run of a copied run whose newest checkpoint is damaged", ExitCode.CHECKPOINT,
+      "copy/ck/step_00000002: ")  # fmt: skip
+def _(ws: Ws):
+    import shutil
+
+    run = ws.tmp / "work" / "outputs" / "r"
+    shutil.copytree(ws.trained / "ck", run / "ck")
+    (run / "config.yaml").write_text(
+        "output:\n  dir: outputs/r\ncheckpoint:\n  dir: outputs/r/ck\n"
+    )
+    copy = Path(shutil.copytree(run, ws.tmp / "copy"))
+    damage(next((copy / "ck" / "step_00000002").glob("*.distcp")))
+    here = os.getcwd()
+    os.chdir(ws.tmp / "work")  # where the original run was started
+    try:
+        yield _export(ws, copy)
+    finally:
+        os.chdir(here)
+
+
+@case("export: --out inside --run", ExitCode.PATH, "it is inside --run")
+def _(ws: Ws):
+    ck = ws.ck()
+    yield ["export", "--run", str(ck), "--out", str(ck / "hf"), "--no-progress"]
+
+
+@case("export: a killed export's partial dir beside --out", ExitCode.CHECKPOINT, "no step 9")
+def _(ws: Ws):
+    ck = ws.ck()
+    (ws.tmp / ".out.partial-4f2a9c1e").mkdir()  # what export killed with -9 left
+    (ws.tmp / ".out.partial-4f2a9c1e" / "model-00001.safetensors").write_bytes(b"x" * 1024)
+    yield _export(ws, ck, "--step", "9")
+
+
+@case("pack: --export-jsonl is the corpus", ExitCode.PATH, "it is the corpus (--data)")
+def _(ws: Ws):
+    corpus = ws.file("rows.jsonl", GOOD_ROW)
+    yield pack_argv(ws, "--data", str(corpus), "--export-jsonl", str(corpus))
+
+
+@case("pack: --stats-json is a mixed corpus", ExitCode.PATH, "it is the corpus (--data #2)")
+def _(ws: Ws):
+    a, b = ws.file("a.jsonl", GOOD_ROW), ws.file("b.jsonl", GOOD_ROW)
+    yield pack_argv(ws, "--data", f"{a}::weight=1", "--data", f"{b}::weight=2",
+                    "--stats-json", str(b))  # fmt: skip
+
+
+@case("pack: --stats-json inside the corpus dir", ExitCode.PATH, "it is inside the corpus")
+def _(ws: Ws):
+    (ws.tmp / "shards").mkdir()
+    (ws.tmp / "shards" / "part-0.jsonl").write_text(GOOD_ROW)
+    yield pack_argv(ws, "--data", str(ws.tmp / "shards"), "--stats-json",
+                    str(ws.tmp / "shards" / "stats.json"))  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -254,6 +255,12 @@ def prune(root: str | Path, keep_last: int, *, newest: Path) -> list[Path]:
     lineage = [p for p in complete_checkpoints(root) if p.name <= newest.name]
     old = [p for p in lineage[:-keep_last] if p.name not in protected]
     for path in old:
+        if path.is_symlink():  # its target is outside this run's checkpoint.dir: never touched
+            target = os.readlink(path)
+            path.unlink()
+            log.info("removed the link %s (checkpoint.keep_last=%d); its target %s is left as it "
+                     "was", path, keep_last, target)  # fmt: skip
+            continue
         (path / COMPLETE).unlink(missing_ok=True)  # a crash midway leaves an incomplete dir
         shutil.rmtree(path, ignore_errors=True)
         log.info("deleted checkpoint %s (checkpoint.keep_last=%d)", path, keep_last)

@@ -24,6 +24,7 @@ import yaml
 
 from primus_v4.config import RunConfig, dump_yaml, to_dict
 from primus_v4.config.resolve import model_config
+from primus_v4.durable import remove_stale
 from primus_v4.errors import CheckpointError, PrimusError, ResumeError
 from primus_v4.log import get_logger
 from primus_v4.training.checkpoint import integrity
@@ -222,6 +223,11 @@ class RunCheckpoints(CheckpointManager):
         return self._resume_from
 
     def _choose(self) -> Path | None:
+        if integrity._rank_world()[0] == 0:
+            left = remove_stale(self.root, f".{integrity.LATEST}.tmp.")
+            if left:
+                log.warning("removed %s in %s, left by an update of `latest` that was killed",
+                            ", ".join(left), self.root)  # fmt: skip
         if not self.resume:
             refuse_foreign(self.root)
             return None

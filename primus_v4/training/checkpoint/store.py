@@ -31,6 +31,8 @@ import json
 import os
 import random
 import shutil
+import signal
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -54,6 +56,7 @@ from primus_v4.errors import (
     CheckpointError,
     ConfigError,
     DiskFullError,
+    Interrupted,
     PrimusError,
     describe_os_error,
     is_disk_full,
@@ -216,11 +219,33 @@ def save(
     """Save a checkpoint of `step` and publish it; collective over all ranks. Returns its dir.
     `extra_files`: {name: text} written beside the shards by rank 0 (e.g. the run's config).
     A save that fails (a full disk, say) removes its temp dir on every rank and raises the same
-    one-line error there: a failed save leaves nothing, and the previous checkpoint is intact."""
+    one-line error there: a failed save leaves nothing, and the previous checkpoint is intact.
+    Ctrl-C mid-save removes the temp dir too and raises Interrupted (exit 130) naming the
+    checkpoint a rerun resumes from."""
     if optimizer is not None:
         _sharded(optimizer)  # a caller's mistake, refused before anything is written
     root = Path(root)
     final, tmp = step_dir(root, step), root / f".tmp_step_{step:08d}"
+    with _noting_sigint() as sigint:
+        try:
+            return _save(root, final, tmp, step, model, optimizer, scheduler, data, extra_files)
+        except BaseException as exc:
+            if sigint or isinstance(exc, KeyboardInterrupt):
+                raise _interrupted(root, tmp, final) from None
+            raise
+
+
+def _save(
+    root: Path,
+    final: Path,
+    tmp: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: ShardedAdamW | None,
+    scheduler: Any | None,
+    data: Stateful | None,
+    extra_files: dict[str, str] | None,
+) -> Path:
     start = time.perf_counter()
     _on_rank0(lambda: _fresh_dir(root, tmp), root, tmp, final)
     try:
@@ -242,6 +267,42 @@ def save(
     _barrier()
     log.info("saved checkpoint %s (%.1f s)", final, time.perf_counter() - start)
     return final
+
+
+@contextlib.contextmanager
+def _noting_sigint() -> Iterator[list[bool]]:
+    """Ctrl-C during a save still raises KeyboardInterrupt, but torch's writers may turn it into
+    another error (a RuntimeError "unexpected pos"): the flag says that it was Ctrl-C."""
+    hit: list[bool] = []
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):  # fmt: skip
+        yield hit
+        return
+
+    def handle(_signum: int, _frame: Any) -> None:
+        hit.append(True)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handle)
+    try:
+        yield hit
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _interrupted(root: Path, tmp: Path, final: Path) -> Interrupted:
+    """Ctrl-C mid-save: the partial save removed, and the step a rerun resumes from."""
+    partial = tmp.exists() or not integrity.is_complete(final)  # else it was published
+    shutil.rmtree(tmp, ignore_errors=True)
+    removed = f"removed the partial {tmp.name}; " if partial else ""
+    done = integrity.complete_checkpoints(root)
+    again = (
+        f"a rerun of the same command resumes from {done[-1].name}"
+        if done
+        else "no checkpoint is saved yet: a rerun starts from step 0"
+    )
+    return Interrupted(f"interrupted while saving checkpoint {final.name} into {root}: {removed}"
+                       f"{again}")  # fmt: skip
 
 
 def _fresh_dir(root: Path, tmp: Path) -> None:
@@ -330,6 +391,8 @@ def _publish(root: Path, tmp: Path, final: Path, step: int) -> None:
         trash = root / f".trash_{final.name}_{os.getpid()}"
         os.replace(final, trash)
         os.replace(tmp, final)
+        if trash.is_symlink():  # a link's target is not this checkpoint dir's to delete
+            trash.unlink()
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)

@@ -12,29 +12,52 @@ import json
 import os
 from pathlib import Path
 
+from primus_v4.log import get_logger
 from primus_v4.training.metrics.writer import StepMetrics
+
+log = get_logger(__name__)
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(StepMetrics)}
 
 
-def _rows(path: Path) -> list[dict]:
+def _rows(path: Path, torn: list[int] | None = None) -> list[dict]:
+    """The rows of metrics.jsonl; the numbers of lines cut short (a kill mid-write) go to
+    `torn`."""
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
-            continue  # a line cut short by a kill mid-write; its step is redone
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif torn is not None:
+            torn.append(number)
     return rows
 
 
 def keep_rows_through(path: str | Path, step: int) -> int:
-    """Rewrite metrics.jsonl with the rows of steps <= `step` only (atomically); rows kept."""
+    """Rewrite metrics.jsonl with the rows of steps <= `step` only (atomically); rows kept. A
+    line cut short is reported: its step is redone when it lies past `step`, else its row is
+    missing from the run's history (said by step)."""
     path = Path(path)
     if not path.is_file():
         return 0
-    kept = [row for row in _rows(path) if int(row.get("step", 0)) <= step]
+    torn: list[int] = []
+    kept = [row for row in _rows(path, torn) if int(row.get("step", 0)) <= step]
+    if torn:
+        have = {int(row.get("step", 0)) for row in kept}
+        missing = [s for s in range(1, step + 1) if s not in have]
+        lost = (
+            f"no row is left for step(s) {', '.join(map(str, missing))}, at or before the "
+            f"resumed step {step}: they are not redone, so the history and plot lack them"
+            if missing
+            else f"the steps after the resumed step {step} are redone"
+        )
+        log.warning("%s: line(s) %s cut short (a run killed mid-write) removed; %s", path,
+                    ", ".join(map(str, torn)), lost)  # fmt: skip
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
     os.replace(tmp, path)

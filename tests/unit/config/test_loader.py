@@ -1,5 +1,5 @@
 """Strict loader: unknown keys and bad types are errors naming key and file; --set and ${ENV}
-resolve with YAML types; the resolved config round-trips."""
+resolve typed by their fields; the resolved config round-trips."""
 
 from __future__ import annotations
 
@@ -166,3 +166,24 @@ def test_config_by_shipped_name_or_by_path(tmp_path: Path) -> None:
     assert load_config(own).train.steps == 7
     with pytest.raises(ConfigError, match=r"no_such_run.yaml does not exist.*tiny_cpu_thd"):
         load_config("no_such_run.yaml")
+
+
+def test_string_fields_take_set_and_env_values_literally(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A ' #' starts a YAML comment and ': ' a mapping; neither may cut a path short.
+    sets = ["data.path=rc/run #2/c.json", "output.dir=out: a", "checkpoint.dir=ck #1",
+            "train.steps=5", "checkpoint.resume=false", "model.preset=null",
+            "model.lora.targets=[wq_a]", "output.progress_bar='no'"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"output.progress_bar: expected bool, got str 'no'"):
+        load_config(overrides=sets)
+    cfg = load_config(overrides=sets[:-1])
+    assert (cfg.data.path, cfg.output.dir, cfg.checkpoint.dir) == (
+        "rc/run #2/c.json", "out: a", "ck #1")  # fmt: skip
+    assert cfg.train.steps == 5 and cfg.checkpoint.resume is False and cfg.model.preset is None
+    assert cfg.model.lora.targets == ["wq_a"]
+    monkeypatch.setenv("CORPUS", "rc/run #2/c.json")
+    monkeypatch.setenv("STEPS", "7")
+    text = "data:\n  path: ${CORPUS}\ntrain:\n  steps: ${STEPS}\n"
+    cfg = load_config(_write(tmp_path, text))
+    assert cfg.data.path == "rc/run #2/c.json" and cfg.train.steps == 7

@@ -1,7 +1,8 @@
 """`primus-v4 export` trusts a training checkpoint only as resume does: the one integrity check
-(checkpoint_integrity.problems), a fallback past a damaged newest checkpoint when no step is
-named, a refusal by name when one is, and the model config stored in the step itself, never a
-config.yaml beside it that a later (even a refused) start may have rewritten."""
+(checkpoint_integrity.problems), a damaged newest checkpoint refused by name as a damaged named
+step is (an older one only by --step), a run dir's checkpoints found from where the run dir is,
+and the model config stored in the step itself, never a config.yaml beside it that a later (even
+a refused) start may have rewritten."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def _flip(path: Path, at: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_a_damaged_newest_checkpoint_is_skipped_or_refused_by_name(
+def test_a_damaged_newest_checkpoint_is_refused_by_name_and_an_older_one_exported_by_step(
     trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import shutil
@@ -73,12 +74,15 @@ def test_a_damaged_newest_checkpoint_is_skipped_or_refused_by_name(
     shard = next(step_dir(ck, 2).glob("*.distcp"))
     _flip(shard, shard.stat().st_size // 2)
     out = tmp_path / "out"
-    assert main(["export", "--run", str(ck), "--out", str(out), "--no-progress"]) == 0
+    assert (
+        main(["export", "--run", str(ck), "--step", "1", "--out", str(out), "--no-progress"]) == 0
+    )
     exported = json.loads(capsys.readouterr().out)
-    assert exported["checkpoint"] == str(step_dir(ck, 1))  # fell back past the damaged step 2
+    assert exported["checkpoint"] == str(step_dir(ck, 1))
     want = _embedding(step_dir(trained / "ck", 1)).to(torch.bfloat16).float()
     assert torch.equal(_exported_embedding(out), want)
-    for named in (["--run", str(step_dir(ck, 2))], ["--run", str(ck), "--step", "2"]):
+    newest = ["--run", str(ck)]
+    for named in (newest, ["--run", str(step_dir(ck, 2))], ["--run", str(ck), "--step", "2"]):
         other = tmp_path / f"refused{len(named)}"
         assert main(["export", *named, "--out", str(other), "--no-progress"]) == ExitCode.CHECKPOINT
         err = capsys.readouterr().err
@@ -122,3 +126,35 @@ def test_a_refused_start_changes_nothing_export_reads(trained: Path, tmp_path: P
     assert main(["export", "--run", str(tmp_path / "ck"), "--out", str(out), "--no-progress"]) == 0
     written = json.loads((out / "config.json").read_text())
     assert written["sliding_window"] == 128 and written["routed_scaling_factor"] == 1.5
+
+
+def test_export_run_finds_the_checkpoints_from_the_run_dir_not_from_here(
+    trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from primus_v4.export.run import ExportError, find_source
+
+    # An older run, started in `work`, that recorded its dirs relative to there.
+    run = tmp_path / "work" / "outputs" / "r"
+    shutil.copytree(trained / "ck", run / "ck")
+    (run / "config.yaml").write_text(
+        "output:\n  dir: outputs/r\ncheckpoint:\n  dir: outputs/r/ck\n"
+    )
+    monkeypatch.chdir(tmp_path)  # export runs elsewhere
+    assert find_source(run).checkpoint == step_dir(run / "ck", 2)
+    # Its copy exports its own checkpoints: the copy's damaged newest is refused, not replaced
+    # by the original's step 2 or by the copy's step 1.
+    copy = Path(shutil.copytree(run, tmp_path / "copy"))
+    _flip(next(step_dir(copy / "ck", 2).glob("*.distcp")), 100)
+    with pytest.raises(ExportError, match=rf"cannot export {step_dir(copy / 'ck', 2)}: .*corrupt"):
+        find_source(copy)
+    assert find_source(copy, 1).checkpoint == step_dir(copy / "ck", 1)
+    # A checkpoint.dir outside the run dir, recorded absolute, is that path.
+    (copy / "config.yaml").write_text(
+        f"output:\n  dir: /gone/r\ncheckpoint:\n  dir: {run / 'ck'}\n"
+    )
+    assert find_source(copy).checkpoint == step_dir(run / "ck", 2)
+    (copy / "config.yaml").write_text("output:\n  dir: elsewhere\ncheckpoint:\n  dir: ck2\n")
+    with pytest.raises(ExportError, match=r"checkpoint.dir ck2 is relative to where that run"):
+        find_source(copy)

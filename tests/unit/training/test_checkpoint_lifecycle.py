@@ -72,6 +72,18 @@ def test_prune_keeps_the_newest_and_what_latest_names(tmp_path: Path) -> None:
     assert left == ["step_00000004", "step_00000006", "step_00000008", "step_00000010"]
 
 
+def test_prune_never_follows_a_link_out_of_the_checkpoint_dir(tmp_path: Path) -> None:
+    other = _fake_checkpoint(tmp_path / "other_run", 2)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    step_dir(ck, 2).symlink_to(other, target_is_directory=True)  # another run's step, linked in
+    for step in (4, 6):
+        _fake_checkpoint(ck, step)
+    assert integrity.prune(ck, 1, newest=step_dir(ck, 6)) == [step_dir(ck, 2), step_dir(ck, 4)]
+    assert not step_dir(ck, 2).is_symlink() and not step_dir(ck, 4).exists()
+    assert sorted(p.name for p in other.iterdir()) == [".metadata", "COMPLETE"]  # untouched
+
+
 def test_a_checkpoint_without_its_manifest_is_damaged(full: Path, tmp_path: Path) -> None:
     ck = _stopped_after_4(full, tmp_path)
     (step_dir(ck, 4) / "MANIFEST.json").unlink()
