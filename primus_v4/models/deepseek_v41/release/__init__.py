@@ -1,0 +1,1 @@
+"""DeepSeek-V4.1's released checkpoint format: names, config.json, load and export."""
