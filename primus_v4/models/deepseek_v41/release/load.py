@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from primus_v4.checkpoint_formats.sharded import CheckpointReader
 from primus_v4.errors import CheckpointFormatError
 from primus_v4.log import get_logger
+from primus_v4.models.deepseek_v4.release.load import _restore_float32
 from primus_v4.models.deepseek_v4.weight_init import init_buffers
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
 from primus_v4.models.deepseek_v41.model import DeepseekV41Model
@@ -29,6 +29,7 @@ from primus_v4.models.deepseek_v41.release import state_dict_adapter as adapter
 from primus_v4.models.deepseek_v41.release.config_json import config_from_release
 
 log = get_logger(__name__)
+KEEP_RELEASE = "DeepSeek-V4.1 cannot keep its base as released yet (model.lora.base: release)"
 
 
 def read_config(path: str | os.PathLike, **overrides) -> DeepseekV41Config:
@@ -63,72 +64,100 @@ def check_release(reader: CheckpointReader, cfg: DeepseekV41Config) -> list[str]
     return left
 
 
-def reader_get(reader: CheckpointReader, dtype: torch.dtype) -> Callable[[str, str], torch.Tensor]:
-    """get(release_name, kind) -> the decoded tensor in `dtype`."""
-
-    def get(name: str, kind: str) -> torch.Tensor:
-        return reader.read(name, dtype, fmt=adapter.FORMATS.get(kind))
-
-    return get
+def _expert_range(model: nn.Module, key: str) -> tuple[int, int] | None:
+    """The global expert rows [lo, hi) a rank's expert weight `key` holds (None: not experts)."""
+    if not key.endswith((".moe.w_gate_up", ".moe.w_down")):
+        return None
+    moe = model.get_submodule(key.rsplit(".", 1)[0])
+    lo = getattr(moe, "expert_offset", 0)
+    return lo, lo + getattr(moe, key.rsplit(".", 1)[1]).shape[0]
 
 
 @torch.no_grad()
-def load_rank_weights(model: nn.Module, path: str | os.PathLike) -> None:
-    """Fill every parameter and persistent buffer of `model` (a whole model or a rank's slice,
-    our names) from the release; reads only the tensors those need."""
+def load_rank_weights(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    progress: bool = False,
+    token_map: torch.Tensor | None = None,
+) -> None:
+    """Fill every parameter and persistent buffer of `model` (a whole model or a rank's expert
+    slice; our names) from the release, reading only the tensors those hold; then the Engram
+    token map (`token_map`, default the release tokenizer's)."""
+    del progress
     cfg = model.cfg
+    table = adapter.name_table(cfg)
+    state = model.state_dict()
     with open_release(path) as reader:
         left = check_release(reader, cfg)
         if left:
             log.info("%s: not part of the text model, left in the release: %s", path,
                      ", ".join(left))  # fmt: skip
-        state = model.state_dict()
-        lo = getattr(model, "expert_offset", None)
-        get = reader_get(reader, torch.float32)
-        table = adapter.name_table(cfg)
         for key, dst in state.items():
             if key not in table:
-                continue  # derived buffers (RoPE, token map) are not checkpoint state
-            values = adapter.build_state(cfg, get, [key])[key]
-            if lo is not None and values.shape != dst.shape:
-                values = values[lo : lo + dst.shape[0]]
-            dst.copy_(values.to(dst.dtype))
-    missing = [
-        k for k in state if k not in adapter.name_table(cfg) and k in dict(model.named_parameters())
-    ]
-    if missing:
-        raise CheckpointFormatError(f"{path}: parameters without a release tensor: {missing}")
+                continue  # config-derived buffers (RoPE, the token map) are no checkpoint state
+            entry = table[key]
+            experts = _expert_range(model, key)
+            if experts is not None:
+                entry = adapter.expert_slice(entry, *experts)
+            parts = [reader.read(n, dst.dtype, fmt=adapter.FORMATS.get(entry.kind))
+                     for n in entry.release]  # fmt: skip
+            dst.copy_(adapter.join(entry, parts))
+    unfilled = sorted(n for n, _ in model.named_parameters() if n not in table)
+    if unfilled:
+        raise CheckpointFormatError(f"{path}: parameters without a release tensor: {unfilled}")
+    if cfg.engram_layer_ids:
+        model.set_token_map(release_token_map(path, cfg) if token_map is None else token_map)
 
 
+def rank_loader(directory: str | os.PathLike, *, progress: bool = False):
+    """The `weights=` callback of `parallelize`: load this rank's slice of `directory`."""
+
+    def load(model: nn.Module) -> None:
+        load_rank_weights(model, directory, progress=progress)
+
+    return load
+
+
+def check(directory: str | os.PathLike, cfg: DeepseekV41Config, *, keep_release: bool = False):
+    """Index, shard headers and names of `directory` against the model config (no tensor read)."""
+    if keep_release:
+        raise CheckpointFormatError(KEEP_RELEASE)
+    with open_release(directory) as reader:
+        check_release(reader, cfg)
+
+
+@torch.no_grad()
 def load_pretrained(
     path: str | os.PathLike,
     *,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    progress: bool = False,
+    progress: bool = True,
     keep_release: bool = False,
     token_map: torch.Tensor | None = None,
 ) -> DeepseekV41Model:
-    """The whole V4.1 text model of a release directory, in `dtype` on `device`.
+    """The whole V4.1 text model of a release directory, every parameter decoded into `dtype`.
 
-    token_map: the Engram token map ([vocab] int64); default: built from the release's
-    tokenizer (`engram_vocab.py`)."""
-    del progress
+    token_map: the Engram token map ([vocab] int64); default: the one of the release's own
+    tokenizer (`engram_vocab.token_map_of`, checked against the config's compressed size)."""
     if keep_release:
-        raise NotImplementedError("DeepSeek-V4.1 does not keep its base as released yet")
+        raise CheckpointFormatError(KEEP_RELEASE)
     cfg = read_config(path)
     with torch.device("meta"):
         model = DeepseekV41Model(cfg)
-    model.to_empty(device="cpu")
+    model.to(dtype)  # still on meta: nothing is allocated twice
+    _restore_float32(model)
+    model.to_empty(device=device)
     init_buffers(model)
-    load_rank_weights(model, path)
-    if cfg.engram_layer_ids:
-        model.set_token_map(token_map if token_map is not None else release_token_map(path, cfg))
-    return model.to(device=device, dtype=dtype)
+    load_rank_weights(model, path, progress=progress, token_map=token_map)
+    model.release_source = Path(path)  # where an export finds the tensors it carries over
+    return model
 
 
 def release_token_map(path: str | os.PathLike, cfg: DeepseekV41Config) -> torch.Tensor:
-    """The Engram token map of the release's own tokenizer."""
+    """The Engram token map of the release's own tokenizer (refused unless its size is the
+    config's `engram_compressed_vocab_size`)."""
     from primus_v4.models.deepseek_v41 import engram_vocab
 
-    return engram_vocab.token_map_of(Path(path), cfg)
+    return torch.from_numpy(engram_vocab.token_map_of(Path(path), cfg)).to(torch.int64)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -202,6 +202,14 @@ def split(entry: Entry, t: torch.Tensor) -> list[torch.Tensor]:
     if entry.op == "gate_up":
         return [p for row in t for p in row.chunk(2, dim=0)]
     return list(t)  # down
+
+
+def expert_slice(entry: Entry, lo: int, hi: int) -> Entry:
+    """The entry of an expert weight restricted to the global experts [lo, hi)."""
+    per = 2 if entry.op == "gate_up" else 1
+    return replace(
+        entry, release=entry.release[lo * per : hi * per], shapes=entry.shapes[lo * per : hi * per]
+    )
 
 
 def build_state(
