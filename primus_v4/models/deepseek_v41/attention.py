@@ -84,6 +84,11 @@ class Attention(V4Attention):
         self._attend = kernels.resolve("sparse_attention")
         self.recompute = selected(cfg)
 
+    def _q_up(self, qr_TQ: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        """Rotated q [T, H, D] from the q-LoRA latent: no per-head norm in V4.1."""
+        q_THD = self.wq_b(qr_TQ).view(qr_TQ.shape[0], self.n_heads, self.head_dim)
+        return self.rope(q_THD, positions_T)
+
     def _compressed(
         self,
         x_TD: torch.Tensor,
@@ -129,7 +134,10 @@ class Attention(V4Attention):
         layout = require_layout(layout, f"Attention(layer {self.layer_idx}, {self.kind})")
         self._check(x_TD, positions_T, layout)
         qr_TQ = self.q_norm(self.wq_a(x_TD))
-        q_THD = self.rope(self.wq_b(qr_TQ).view(-1, self.n_heads, self.head_dim), positions_T)
+        up = self._q_up
+        if "mla_up_proj" in self.recompute:
+            up = DiscardedPart(self._q_up, params=list(self.wq_b.parameters()))
+        q_THD = up(qr_TQ, positions_T)
         kv_TD = self.rope(self.kv_norm(self.wkv(x_TD)), positions_T)
         if self.fake_quant:
             kv_TD = fake_quant.fp8_window(kv_TD)
@@ -146,6 +154,7 @@ class Attention(V4Attention):
         o_GTI = core(q_THD, torch.cat(parts, dim=0), self.attn_sink, lo_T[:, None], hi_T[:, None],
                      idx_TK, positions_T)  # fmt: skip
         y_GTR, out_TD = self._project(o_GTI)
-        if isinstance(core, DiscardedPart):
-            core.discard(after=y_GTR)
+        for part in (up, core):
+            if isinstance(part, DiscardedPart):
+                part.discard(after=y_GTR)
         return out_TD, shared

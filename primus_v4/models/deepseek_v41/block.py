@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from primus_v4.models.common.recompute import DiscardedPart, checkpointed, selected
 from primus_v4.models.deepseek_v4.block import _mixer
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
 from primus_v4.models.deepseek_v4.moe import Dispatcher, MoE, RoutingInputs
@@ -39,6 +40,13 @@ class Block(nn.Module):
         self.ffn_mix = _mixer(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon)
         self.moe = MoE(cfg, layer_idx=layer_idx, dispatcher=dispatcher)
+        self.recompute = selected(cfg)  # layernorm / moe (models/common/recompute.py)
+
+    def _attn_input(self, x_TKD: torch.Tensor, pre_TK: torch.Tensor) -> torch.Tensor:
+        return self.attn_norm(self.attn_mix.collapse(x_TKD, pre_TK))
+
+    def _ffn_input(self, x_TKD: torch.Tensor, pre_TK: torch.Tensor) -> torch.Tensor:
+        return self.ffn_norm(self.ffn_mix.collapse(x_TKD, pre_TK))
 
     def forward(
         self,
@@ -56,10 +64,21 @@ class Block(nn.Module):
         layout = require_layout(layout, f"decoder layer {self.layer_idx}")
         if self.engram is not None:
             x_TKD = self.engram(x_TKD, engram_rows_TC, engram_mask_T)
+        norms = "layernorm" in self.recompute
+        attn_in, ffn_in = self._attn_input, self._ffn_input
+        if norms:
+            attn_in = DiscardedPart(self._attn_input, [self.attn_norm.weight])
+            ffn_in = DiscardedPart(self._ffn_input, [self.ffn_norm.weight])
         attn_pre, post, comb = self.attn_mix.coefficients(x_TKD)
-        h_TD = self.attn_norm(self.attn_mix.collapse(x_TKD, pre_TK))
-        h_TD, shared = self.attn(h_TD, positions_T=positions_T, layout=layout, shared=shared)
+        h_TD, shared = self.attn(
+            attn_in(x_TKD, pre_TK), positions_T=positions_T, layout=layout, shared=shared
+        )
+        if norms:
+            attn_in.discard(after=h_TD)
         x_TKD = self.attn_mix.write_back(x_TKD, h_TD, post, comb)
         ffn_pre, post, comb = self.ffn_mix.coefficients(x_TKD)
-        h_TD, aux = self.moe(self.ffn_norm(self.ffn_mix.collapse(x_TKD, attn_pre)), routing)
+        moe = (lambda x, r: checkpointed(self.moe, x, r)) if "moe" in self.recompute else self.moe
+        h_TD, aux = moe(ffn_in(x_TKD, attn_pre), routing)
+        if norms:
+            ffn_in.discard(after=(h_TD, aux))
         return self.ffn_mix.write_back(x_TKD, h_TD, post, comb), ffn_pre, shared, aux

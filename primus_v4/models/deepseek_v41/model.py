@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from primus_v4.errors import ConfigError
 from primus_v4.models.deepseek_v4.hyper_connection import lift_streams
 from primus_v4.models.deepseek_v4.layout import RowLayout, SeqComm
 from primus_v4.models.deepseek_v4.model import DeepseekV4Model, ModelOutput, _row
@@ -39,6 +40,15 @@ class EngramRows(nn.Module):
     def __init__(self, cfg: DeepseekV41Config) -> None:
         super().__init__()
         self.hash = EngramHash.from_config(cfg)
+        for layer, rows, primes in zip(
+            cfg.engram_layer_ids, cfg.engram_num_embeddings, self.hash.primes, strict=True
+        ):
+            need = sum(p for per_n in primes for p in per_n)
+            if rows < need:
+                raise ConfigError(
+                    f"engram_num_embeddings: layer {layer}'s table has {rows} rows but its hash "
+                    f"buckets need {need} (the sum of its primes)"
+                )
         self.vocab, self.range = cfg.vocab_size, cfg.engram_compressed_vocab_size
         self._map: torch.Tensor | None = None
         self.register_buffer("token_map", self._default(), persistent=False)

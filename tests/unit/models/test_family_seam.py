@@ -86,8 +86,10 @@ def test_an_unknown_model_type_names_the_known_families(tmp_path: Path) -> None:
 def test_presets_and_run_configs_name_their_family() -> None:
     known = presets()
     assert known and set(known.values()) <= set(FAMILIES), known
-    cfg = load_config()  # the embedded default run config
-    assert cfg.model.family == "deepseek_v4"
+    cfg = load_config()  # the embedded default run config: the family of its preset
+    assert cfg.model.family is None and resolve_run(cfg, 1).model.family == "deepseek_v4"
+    v41 = resolve_run(load_config(overrides=["model.preset=tiny_v41"]), 1)
+    assert v41.model.family == "deepseek_v41"
     with pytest.raises(ConfigError, match=r"'deepseek_v41' conflicts with model.preset='tiny'"):
         resolve_run(load_config(overrides=["model.family=deepseek_v41"]), 1)
     assert resolve_run(load_config(overrides=["model.family=deepseek_v4"]), 1).model.family == (
