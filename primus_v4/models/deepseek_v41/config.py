@@ -92,6 +92,12 @@ class DeepseekV41Config(DeepseekV4Config):
                 raise ConfigError(f"layer {i} is a kv/index source but its compress ratio is 0")
         self._validate_candidates()
         self._validate_engram()
+        if self.activation_fake_quant and (self.kv_channels % 32 or self.index_head_dim % 32):
+            raise ConfigError(
+                "activation_fake_quant quantizes KV and index vectors in blocks of 32: "
+                f"kv_channels ({self.kv_channels}) and index_head_dim ({self.index_head_dim}) "
+                "must be multiples of 32"
+            )
 
     def _validate_candidates(self) -> None:
         c = self.candidate_source_layer_id

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsv41_golden import documents, golden, golden_grads, load_model, next_token_labels, pack
+from dsv41_golden import documents, golden, golden_grads, next_token_labels, pack
 
 from primus_v4.models.deepseek_v4.layout import RowLayout
 from primus_v4.models.deepseek_v41.indexer import Indexer
@@ -32,9 +32,9 @@ LOOSE_OURS = ("engram.", "_mix.")
 PACKED_TOL, LOOSE_PACKED_TOL = 1e-5, 2e-4
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model()
+@pytest.fixture
+def model(golden_model):
+    return golden_model
 
 
 def _worst(logits: torch.Tensor, doc: int) -> tuple[float, float]:

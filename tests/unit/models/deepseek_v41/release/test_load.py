@@ -16,9 +16,9 @@ from primus_v4.models.deepseek_v41.release import load
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as adapter
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model()
+@pytest.fixture
+def model(golden_model):
+    return golden_model
 
 
 def _by_hand(reader: CheckpointReader, name: str, kind: str) -> torch.Tensor:
