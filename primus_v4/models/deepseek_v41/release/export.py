@@ -41,12 +41,21 @@ def save_pretrained(
     """Write a whole model as a release directory at `out` (`dtype` "bfloat16" or "fp8": as
     released); `source` (default: the release the model was loaded from) gives the layout and
     the tensors carried over."""
-    from primus_v4.models.deepseek_v41.release.save import save_release
-
     src = source or getattr(model, "release_source", None)
     if src is None:
         raise CheckpointFormatError(NO_SOURCE)
+    _check_dtype(dtype)
+    from primus_v4.models.deepseek_v41.release.save import save_release
+
+    options.pop("progress", None)  # the release writer reports per tensor through a callback
     return save_release(release_state(model), Path(src), out, dtype=dtype, **options)
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in ("bfloat16", "fp8"):
+        raise CheckpointFormatError(
+            f"export dtype {dtype!r}: a DeepSeek-V4.1 release is written as 'bfloat16' or 'fp8'"
+        )
 
 
 def write_state(
@@ -59,10 +68,11 @@ def write_state(
     **options: Any,
 ) -> Any:
     """Write state-dict pieces (our names; together the whole model) as a release at `out`."""
-    from primus_v4.models.deepseek_v41.release.save import save_release
-
     if source is None:
         raise CheckpointFormatError(NO_SOURCE)
+    _check_dtype(dtype)
+    from primus_v4.models.deepseek_v41.release.save import save_release
+
     options.pop("extra_files", None)  # the writer copies the source's tokenizer files
     pieces = (adapter.to_release(cfg, piece) for piece in state)
     return save_release(pieces, Path(source), out, dtype=dtype, **options)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from dsv41_golden import CHECKPOINT, load_model
 
+import primus_v4
 from primus_v4.checkpoint_formats.fp8_fp4 import FP4_VALUES
 from primus_v4.checkpoint_formats.sharded import CheckpointReader
 from primus_v4.errors import CheckpointFormatError
@@ -109,3 +110,12 @@ def test_an_expert_shard_reads_only_its_experts(model, monkeypatch) -> None:
     for a, b in zip(half.layers, model.layers, strict=True):
         assert torch.equal(a.moe.w_gate_up, b.moe.w_gate_up[4:8])
         assert torch.equal(a.moe.w_down, b.moe.w_down[4:8])
+
+
+def test_an_export_needs_the_release_it_came_from(model) -> None:
+    assert model.release_source == CHECKPOINT  # load_pretrained remembers it
+    fresh = DeepseekV41Model(model.cfg)
+    with pytest.raises(CheckpointFormatError, match="beside the release it came from"):
+        primus_v4.save_pretrained(fresh, "unused", dtype="fp8")
+    with pytest.raises(CheckpointFormatError, match="'bfloat16' or 'fp8'"):
+        primus_v4.save_pretrained(model, "unused", dtype="float32")
