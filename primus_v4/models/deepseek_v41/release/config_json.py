@@ -95,6 +95,11 @@ def config_from_release(d: dict[str, Any], *, source: str = "config.json", **ove
         if key in FIELDS:
             values[FIELDS[key]] = value
         elif key == "rope_scaling":
+            if value.get("rope_type", "yarn") != "yarn":
+                raise CheckpointFormatError(
+                    f"{source}: rope_scaling.rope_type {value.get('rope_type')!r}; "
+                    "DeepSeek-V4.1 uses 'yarn'"
+                )
             for k, field in ROPE_FIELDS.items():
                 if k in value:
                     values[field] = value[k]

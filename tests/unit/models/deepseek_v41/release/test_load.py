@@ -42,16 +42,18 @@ def test_every_text_tensor_is_decoded_exactly_and_given_back_by_name(model, capl
     out = adapter.to_release(model.cfg, model.state_dict())
     expected = adapter.release_tensors(model.cfg)
     assert set(out) == set(expected)
+    stored_as = {"fp8": "fp8", "fp8row": "fp8", "fp4": "fp4", "bf16": "bf16", "fp32": "fp32"}
     with CheckpointReader(CHECKPOINT) as reader:
         text = [n for n in reader.names() if not adapter.non_text(n)]
         assert sorted(text) == sorted(expected)  # every text tensor of the release is consumed
         kinds = {}
         for name, (shape, kind) in expected.items():
+            assert reader.storage(name) == stored_as[kind], name
             assert tuple(out[name].shape) == shape, name
             assert torch.equal(out[name], _by_hand(reader, name, kind)), name
             kinds[kind] = kinds.get(kind, 0) + 1
-    # 483 text tensors + 328 scales + 10 bias_vl = the manifest's 821 stored tensors
-    assert kinds == {"fp8": 86, "fp4": 240, "fp8row": 2, "bf16": 75, "fp32": 80}, kinds
+    # the golden set: 483 text tensors + 328 scales + 10 bias_vl = its manifest's 821
+    assert set(kinds) == set(stored_as), kinds
 
 
 def test_non_text_tensors_are_named_in_one_line_and_left(caplog) -> None:
@@ -61,7 +63,8 @@ def test_non_text_tensors_are_named_in_one_line_and_left(caplog) -> None:
         r.getMessage() for r in caplog.records if "not part of the text model" in r.getMessage()
     ]
     assert len(lines) == 1
-    assert lines[0].count("bias_vl") == 10  # the image-token routing bias of every layer
+    # the image-token routing bias of every layer
+    assert lines[0].count("bias_vl") == load.read_config(CHECKPOINT).num_layers
 
 
 def test_an_unknown_or_missing_tensor_is_an_error(model, monkeypatch) -> None:
