@@ -147,7 +147,14 @@ class DeepseekV41Model(DeepseekV4Model):
         out.aux_loss = aux
         return out
 
-    def _layers(self, x_TKD, ids_T, pos_T, layout, pad_T) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layers(
+        self,
+        x_TKD: torch.Tensor,
+        ids_T: torch.Tensor,
+        pos_T: torch.Tensor,
+        layout: RowLayout,
+        pad_T: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers, then the collapse of the streams by the last FFN's pre."""
         dev = ids_T.device
         routing = RoutingInputs.build(ids_T, layout, pad_T)
