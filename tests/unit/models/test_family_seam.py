@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dsv41_golden import CHECKPOINT, golden
+from dsv41_model import CHECKPOINT, golden
 from release_checkpoint import random_release_tensors, release_config, write_checkpoint
 
 import primus_v4

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from dsv41_golden import load_model
+from dsv41_model import load_model
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsv41_golden import CHECKPOINT, documents, golden
+from dsv41_model import CHECKPOINT, documents, golden
 
 from primus_v4.errors import ConfigError
 from primus_v4.models.deepseek_v41 import fake_quant

@@ -1,4 +1,4 @@
-"""The DeepSeek-V4.1 golden set (tests/fixtures/dsv41_golden): its model, documents and packs."""
+"""The DeepSeek-V4.1 model golden set (tests/fixtures/dsv41_golden): its model, documents, packs."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsv41_golden import documents, golden, golden_grads, next_token_labels, pack
+from dsv41_model import documents, golden, golden_grads, next_token_labels, pack
 
 from primus_v4.models.deepseek_v4.layout import RowLayout
 from primus_v4.models.deepseek_v41.indexer import Indexer

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsv41_golden import CHECKPOINT, load_model
+from dsv41_model import CHECKPOINT, load_model
 
 import primus_v4
 from primus_v4.checkpoint_formats.fp8_fp4 import FP4_VALUES

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsv41_golden import next_token_labels, pack
+from dsv41_model import next_token_labels, pack
 
 from primus_v4.models.deepseek_v4.layout import RowLayout
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
@@ -17,7 +17,7 @@ from primus_v4.models.deepseek_v41.model import DeepseekV41Model
 LENGTHS = (1, 2, 3, 7, 16, 41, 64)
 PAD = 5
 TOL = 1e-5  # float32 summation order only (packed vs alone), of the sample's max |logit|
-LOOSE = ("engram.", "_mix.")  # small sums of signed per-row terms (see test_golden.py)
+LOOSE = ("engram.", "_mix.")  # small sums of signed per-row terms (see test_v41_golden.py)
 LOOSE_TOL = 2e-4
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dsv41_golden import next_token_labels, pack
+from dsv41_model import next_token_labels, pack
 from train_fakes import RAGGED_PACKS, FakeCorpus, tiny_run
 
 from primus_v4.models import model_spec
