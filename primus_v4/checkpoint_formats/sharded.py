@@ -29,6 +29,8 @@ import torch
 from primus_v4.checkpoint_formats.fp8_fp4 import (
     FP4_BLOCK,
     FP8_BLOCK,
+    QuantFormat,
+    dequantize,
     dequantize_fp4_into,
     dequantize_fp8,
     dequantize_fp8_into,
@@ -273,13 +275,27 @@ class CheckpointReader:
         return local.bytes[:n], local.index
 
     def read(
-        self, name: str, dtype: torch.dtype | None = None, *, shape: Sequence[int] | None = None
+        self,
+        name: str,
+        dtype: torch.dtype | None = None,
+        *,
+        shape: Sequence[int] | None = None,
+        fmt: QuantFormat | None = None,
     ) -> torch.Tensor:
         """One tensor, dequantized when stored FP8/FP4 (into `dtype`, default bfloat16), else
-        as stored (cast to `dtype` when given). `shape` (the parameter's) is checked."""
+        as stored (cast to `dtype` when given). `shape` (the parameter's) is checked. `fmt`: the
+        block format of a quantized tensor (default DeepSeek-V4's FP8 128x128 / FP4 1x32)."""
         if shape is not None:
             self.read_check(name, shape)
         kind = self.storage(name)
+        if kind in ("fp8", "fp4") and fmt is not None:
+            if fmt.kind != kind:
+                raise CheckpointFormatError(
+                    f"{self.directory / self.shard_of(name)}: '{name}' is stored {kind}, "
+                    f"expected {fmt.name}"
+                )
+            weight, scale = self._raw(name), self._raw(self._scale_of[name])
+            return dequantize(weight, scale, dtype or torch.bfloat16, fmt=fmt)
         if kind in ("fp8", "fp4"):
             out_dtype = dtype or torch.bfloat16
             work = work_dtype(out_dtype)

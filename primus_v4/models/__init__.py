@@ -21,11 +21,12 @@ from primus_v4.models.model_spec import ModelSpec
 PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
 """Model presets of every family: YAML of model config fields plus a `family:` line."""
 DEFAULT_FAMILY = "deepseek_v4"
-FAMILIES: dict[str, str] = {"deepseek_v4": "primus_v4.models.deepseek_v4.spec"}
-"""family name (= config.json `model_type`) -> the module holding its `SPEC`."""
-UNSUPPORTED: dict[str, str] = {
-    "deepseek_v41": "DeepSeek-V4.1 is not supported by this version",
+FAMILIES: dict[str, str] = {
+    "deepseek_v4": "primus_v4.models.deepseek_v4.spec",
+    "deepseek_v41": "primus_v4.models.deepseek_v41.spec",
 }
+"""family name (= config.json `model_type`) -> the module holding its `SPEC`."""
+UNSUPPORTED: dict[str, str] = {}
 """model types we know and cannot build yet, with the one line that says so."""
 
 

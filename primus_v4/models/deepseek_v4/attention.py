@@ -56,21 +56,8 @@ class Attention(nn.Module):
         self.window = cfg.attn_sliding_window
         if self.window < 1:
             raise ConfigError(f"attn_sliding_window must be >= 1, got {self.window}")
-        h, d, dh = cfg.num_attention_heads, cfg.kv_channels, cfg.hidden_size
-        self.n_heads, self.head_dim, self.eps = h, d, cfg.layernorm_epsilon
-        self.scale = 1.0 / math.sqrt(d)
-        self.wq_a = nn.Linear(dh, cfg.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, self.eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
-        self.wkv = nn.Linear(dh, d, bias=False)
-        self.kv_norm = RMSNorm(d, self.eps)
-        g = self.n_groups = cfg.o_groups
-        # 64 heads x 512 / 8 groups = 4096 inputs per group, each projected to o_lora_rank.
-        self.wo_a = nn.Parameter(torch.empty(g, cfg.o_lora_rank, h * d // g))
-        self.wo_b = nn.Linear(g * cfg.o_lora_rank, dh, bias=False)
-        self.attn_sink = nn.Parameter(torch.zeros(h)) if cfg.attn_sink else None
-        self.wo_a_lora: nn.Module | None = None  # LoRA on wo_a's groups (lora.py), when added
-        self.wo_a_release: ReleaseWeight | None = None  # wo_a kept as released (common/kept_base)
+        self._projections(cfg)
+        d, dh = self.head_dim, cfg.hidden_size
         self.rope = RotaryEmbedding(cfg, compressed=compress_ratio > 0)
         self.compressor = self.indexer = None
         if compress_ratio:
@@ -89,6 +76,24 @@ class Attention(nn.Module):
         self.init_weights(cfg.init_method_std)
         self._attend = kernels.resolve("sparse_attention")
         self.recompute = selected(cfg)  # mla_up_proj / core_attn (recompute.py)
+
+    def _projections(self, cfg: DeepseekV4Config) -> None:
+        """q-LoRA, the KV latent, the grouped output projection and the sinks (every kind)."""
+        h, d, dh = cfg.num_attention_heads, cfg.kv_channels, cfg.hidden_size
+        self.n_heads, self.head_dim, self.eps = h, d, cfg.layernorm_epsilon
+        self.scale = 1.0 / math.sqrt(d)
+        self.wq_a = nn.Linear(dh, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, self.eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
+        self.wkv = nn.Linear(dh, d, bias=False)
+        self.kv_norm = RMSNorm(d, self.eps)
+        g = self.n_groups = cfg.o_groups
+        # 64 heads x 512 / 8 groups = 4096 inputs per group, each projected to o_lora_rank.
+        self.wo_a = nn.Parameter(torch.empty(g, cfg.o_lora_rank, h * d // g))
+        self.wo_b = nn.Linear(g * cfg.o_lora_rank, dh, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(h)) if cfg.attn_sink else None
+        self.wo_a_lora: nn.Module | None = None  # LoRA on wo_a's groups (lora.py), when added
+        self.wo_a_release: ReleaseWeight | None = None  # wo_a kept as released (common/kept_base)
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:

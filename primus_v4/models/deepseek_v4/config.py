@@ -115,9 +115,7 @@ class DeepseekV4Config(TransformerConfig):
                 f"compress_ratios has {len(self.compress_ratios)} entries but num_layers is "
                 f"{self.num_layers}; give one ratio per decoder layer"
             )
-        for i, ratio in enumerate([*self.compress_ratios, self.mtp_compress_ratio]):
-            if ratio not in LAYER_KINDS:
-                raise ConfigError(f"compress ratio {ratio} (layer {i}) must be one of 0, 4, 128")
+        self._validate_layers()
         if self.num_query_groups not in (None, 1):
             raise ConfigError("DeepSeek-V4 uses one shared KV latent: num_query_groups must be 1")
         if self.num_attention_heads % self.o_groups:
@@ -128,6 +126,12 @@ class DeepseekV4Config(TransformerConfig):
         if self.qk_pos_emb_head_dim % 2 or self.qk_pos_emb_head_dim > self.kv_channels:
             raise ConfigError("qk_pos_emb_head_dim must be even and at most kv_channels")
         self._validate_moe_and_heads()
+
+    def _validate_layers(self) -> None:
+        """Every layer's compress ratio names a layer kind of this family."""
+        for i, ratio in enumerate([*self.compress_ratios, self.mtp_compress_ratio]):
+            if ratio not in LAYER_KINDS:
+                raise ConfigError(f"compress ratio {ratio} (layer {i}) must be one of 0, 4, 128")
 
     def _validate_moe_and_heads(self) -> None:
         """MoE / mHC / MTP / loss fields (every decoder layer is MoE in DeepSeek-V4)."""

@@ -150,16 +150,9 @@ class DeepseekV4Model(nn.Module):
         comm: SeqComm | None = None,
         mtp_inputs: list[MtpStreams] | None = None,
     ) -> ModelOutput:
-        ids_T = _row(input_ids, "input_ids")
-        t = ids_T.shape[0]
-        if layout is None:
-            layout = build_layout(t, packed_seq_params, comm or LocalComm())
-        if layout.local_rows != t:
-            raise ValueError(f"layout has {layout.local_rows} local rows, input_ids has {t}")
-        pos_T = _row(position_ids, "position_ids")
-        if pos_T is None:
-            pos_T = torch.arange(t, device=ids_T.device) - layout.seq_start_T.to(ids_T.device)
-        pad_T = _row(padding_mask, "padding_mask")
+        ids_T, layout, pos_T, pad_T = self._rows(
+            input_ids, position_ids, packed_seq_params, padding_mask, layout, comm
+        )
         labels_T = _row(labels, "labels")
         mask_T = None if labels_T is None else self._main_mask(labels_T, loss_mask, pad_T)
 
@@ -186,6 +179,27 @@ class DeepseekV4Model(nn.Module):
             out.mtp_loss = aux.new_zeros(())  # no MTP depth: a zero the trainer can always add
         out.aux_loss = aux
         return out
+
+    @staticmethod
+    def _rows(
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        packed_seq_params: object | None,
+        padding_mask: torch.Tensor | None,
+        layout: RowLayout | None,
+        comm: SeqComm | None,
+    ) -> tuple[torch.Tensor, RowLayout, torch.Tensor, torch.Tensor | None]:
+        """(ids [T], the pack's layout, positions [T], padding [T] or None) of one pack."""
+        ids_T = _row(input_ids, "input_ids")
+        t = ids_T.shape[0]
+        if layout is None:
+            layout = build_layout(t, packed_seq_params, comm or LocalComm())
+        if layout.local_rows != t:
+            raise ValueError(f"layout has {layout.local_rows} local rows, input_ids has {t}")
+        pos_T = _row(position_ids, "position_ids")
+        if pos_T is None:
+            pos_T = torch.arange(t, device=ids_T.device) - layout.seq_start_T.to(ids_T.device)
+        return ids_T, layout, pos_T, _row(padding_mask, "padding_mask")
 
     def _mtp(
         self,

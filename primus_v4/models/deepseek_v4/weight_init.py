@@ -58,6 +58,11 @@ def _base(module: nn.Module, attr: str) -> bool:
 
 
 def _constant(module: nn.Module, attr: str) -> float | None:
+    """A parameter's constant init value, or None when it is drawn. A module of another family
+    names its own constants in a `constant_params` class attribute ({attr: value})."""
+    own = getattr(module, "constant_params", {})
+    if attr in own:
+        return own[attr]
     for kind, name, value in _CONSTANTS:
         if isinstance(module, kind) and attr == name:
             return value

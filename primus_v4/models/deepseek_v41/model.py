@@ -1,0 +1,183 @@
+"""DeepSeek-V4.1 language model: embedding -> 4 mHC streams -> layers (Engram, window + shared
+compressed attention, MoE) -> collapse by the last FFN's pre -> norm -> LM head.
+
+Legend: T = rows of the pack, K = hc_mult streams, D = hidden, V = vocab, L = Engram layers,
+C = Engram hash columns.
+
+The public API is DeepSeek-V4's (`DeepseekV4Model.forward`): `model(input_ids[None],
+position_ids[None], packed_seq_params=PackedSeqParams(qkv_format="thd", ...), labels=...)`
+returns a `ModelOutput` with `.logits` [1, T, V] (or the loss sums with labels). Packing: the
+layout built from cu_seqlens restarts every new part at each sample start: compression groups and
+visibility (`PoolPlan`), shared caches, selections and candidates (per-sample pools), Engram
+look-back (`EngramHash.row_ids`). Padding rows get no Engram write and are never routed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from primus_v4.errors import ConfigError
+from primus_v4.models.deepseek_v4.hyper_connection import lift_streams
+from primus_v4.models.deepseek_v4.layout import RowLayout, SeqComm
+from primus_v4.models.deepseek_v4.model import DeepseekV4Model, ModelOutput, _row
+from primus_v4.models.deepseek_v4.moe import Dispatcher, RoutingInputs
+from primus_v4.models.deepseek_v4.norm import RMSNorm
+from primus_v4.models.deepseek_v41.attention import SharedCache
+from primus_v4.models.deepseek_v41.block import Block
+from primus_v4.models.deepseek_v41.compressor import PoolPlan
+from primus_v4.models.deepseek_v41.config import DeepseekV41Config
+from primus_v4.models.deepseek_v41.engram import EngramHash
+
+
+class EngramRows(nn.Module):
+    """The token map (a buffer) and the hash constants: input ids -> table rows [T, L, C].
+
+    The map comes from the tokenizer (`set_token_map`; a loaded release sets its own). Until one
+    is set, token id mod `engram_compressed_vocab_size` stands in: a random-init model then
+    hashes consistently, and a pretrained table must always be given its tokenizer's map."""
+
+    def __init__(self, cfg: DeepseekV41Config) -> None:
+        super().__init__()
+        self.hash = EngramHash.from_config(cfg)
+        for layer, rows, primes in zip(
+            cfg.engram_layer_ids, cfg.engram_num_embeddings, self.hash.primes, strict=True
+        ):
+            need = sum(p for per_n in primes for p in per_n)
+            if rows < need:
+                raise ConfigError(
+                    f"engram_num_embeddings: layer {layer}'s table has {rows} rows but its hash "
+                    f"buckets need {need} (the sum of its primes)"
+                )
+        self.vocab, self.range = cfg.vocab_size, cfg.engram_compressed_vocab_size
+        self._map: torch.Tensor | None = None
+        self.register_buffer("token_map", self._default(), persistent=False)
+
+    def _default(self) -> torch.Tensor:
+        return torch.arange(self.vocab, dtype=torch.int64) % self.range
+
+    @torch.no_grad()
+    def set_token_map(self, token_map: torch.Tensor) -> None:
+        m = token_map.to(torch.int64).flatten().cpu()
+        if m.numel() != self.vocab or int(m.min()) < 0 or int(m.max()) >= self.range:
+            raise ValueError(
+                f"Engram token map must give each of the {self.vocab} token ids a compressed id "
+                f"in [0, {self.range}); got {m.numel()} ids in [{int(m.min())}, {int(m.max())}]"
+            )
+        self._map = m.clone()
+        self.token_map = m.to(self.token_map.device)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        with torch.device("cpu"):
+            self.token_map.copy_(self._default() if self._map is None else self._map)
+
+    def forward(self, ids_T: torch.Tensor, seq_start_T: torch.Tensor) -> torch.Tensor:
+        return self.hash.row_ids(ids_T, self.token_map, seq_start_T)
+
+
+class DeepseekV41Model(DeepseekV4Model):
+    """The whole V4.1 text backbone on one process (float32 on the current device by default).
+
+    Shares DeepSeek-V4's head and loss (`_head`), init rule and output type; its own layers."""
+
+    family = "deepseek_v41"
+
+    def __init__(
+        self,
+        cfg: DeepseekV41Config,
+        *,
+        dispatcher: Dispatcher | None = None,
+        activation_checkpointing: bool | None = None,
+        seed: int | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        d = cfg.hidden_size
+        if activation_checkpointing is None:
+            activation_checkpointing = cfg.recompute_granularity == "full"
+        self.checkpoint = activation_checkpointing
+        self.embedding = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(
+            Block(cfg, layer_idx=i, dispatcher=dispatcher) for i in range(cfg.num_layers)
+        )
+        self.final_norm = RMSNorm(d, cfg.layernorm_epsilon)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList()  # the release's DSpark stages are not part of the backbone
+        self.engram_rows = EngramRows(cfg) if cfg.engram_layer_ids else None
+        if not self.embedding.weight.is_meta:
+            self.init_weights(seed)
+
+    def set_token_map(self, token_map: torch.Tensor) -> None:
+        """The Engram token map of the tokenizer ([vocab] int64 compressed ids)."""
+        if self.engram_rows is not None:
+            self.engram_rows.set_token_map(token_map)
+
+    def engram_row_ids(self, ids_T: torch.Tensor, layout: RowLayout) -> torch.Tensor | None:
+        """[T, L, C] Engram table rows of every row (offsets included), or None without Engram."""
+        if self.engram_rows is None:
+            return None
+        return self.engram_rows(ids_T, layout.seq_start_T)
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        packed_seq_params: object | None = None,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        layout: RowLayout | None = None,
+        comm: SeqComm | None = None,
+        mtp_inputs: object | None = None,
+    ) -> ModelOutput:
+        del mtp_inputs  # no MTP depth in the V4.1 backbone
+        ids_T, layout, pos_T, pad_T = self._rows(
+            input_ids, position_ids, packed_seq_params, padding_mask, layout, comm
+        )
+        labels_T = _row(labels, "labels")
+        mask_T = None if labels_T is None else self._main_mask(labels_T, loss_mask, pad_T)
+        x_TKD = lift_streams(self.embedding(ids_T), self.cfg.hc_mult)
+        h_TD, aux = self._layers(x_TKD, ids_T, pos_T, layout, pad_T)
+        out = ModelOutput()
+        self._head(out, self.final_norm(h_TD), labels_T, mask_T, mtp=False)
+        if labels_T is not None:
+            out.mtp_loss = aux.new_zeros(())
+        out.aux_loss = aux
+        return out
+
+    def _layers(
+        self,
+        x_TKD: torch.Tensor,
+        ids_T: torch.Tensor,
+        pos_T: torch.Tensor,
+        layout: RowLayout,
+        pad_T: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers, then the collapse of the streams by the last FFN's pre."""
+        dev = ids_T.device
+        routing = RoutingInputs.build(ids_T, layout, pad_T)
+        rows_TLC = self.engram_row_ids(ids_T, layout)
+        keep_T = None if pad_T is None else ~pad_T.to(dev).bool()
+        ratios = sorted({r for r in self.cfg.compress_ratios if r})
+        shared = SharedCache(plans={r: PoolPlan.build(layout, r, dev) for r in ratios})
+        pre_TK = torch.zeros(x_TKD.shape[:2], dtype=torch.float32, device=dev)
+        pre_TK[:, 0] = 1.0
+        aux = x_TKD.new_zeros((), dtype=torch.float32)
+        engram_ids = self.cfg.engram_layer_ids
+        for block in self.layers:
+            rows = None
+            if block.engram is not None:
+                rows = rows_TLC[:, engram_ids.index(block.layer_idx)]
+            kwargs = dict(positions_T=pos_T, layout=layout, routing=routing, shared=shared,
+                          engram_rows_TC=rows, engram_mask_T=keep_T)  # fmt: skip
+            if self.checkpoint and torch.is_grad_enabled():
+                res = torch.utils.checkpoint.checkpoint(
+                    block, x_TKD, pre_TK, use_reentrant=False, **kwargs
+                )
+            else:
+                res = block(x_TKD, pre_TK, **kwargs)
+            x_TKD, pre_TK, shared, layer_aux = res
+            aux = aux + layer_aux
+        return self.layers[-1].ffn_mix.collapse(x_TKD, pre_TK), aux

@@ -1,0 +1,163 @@
+"""A V4.1 release directory in: the config, the whole text model, or one rank's slice of it.
+
+Every text-backbone tensor is read through the name table and decoded exactly into the
+parameter's dtype: FP8 with 32 x 32 e8m0 blocks, FP4 experts (two e2m1 codes per int8 byte, an
+e8m0 scale per 32 inputs), Engram tables as FP8 rows with an e8m0 scale per 32 values, bf16 and
+fp32 as stored. A rank asks only for its own state-dict keys (its stage, its expert rows), so it
+reads only those tensors. Tensors of the release that are not the text model (vision tower,
+`aligner.*`, `image_*`, DSpark `mtp.*`, image routing biases) are named in one log line and left
+in the release; any other unconsumed tensor is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from primus_v4.checkpoint_formats.sharded import CheckpointReader
+from primus_v4.errors import CheckpointFormatError
+from primus_v4.log import get_logger
+from primus_v4.models.deepseek_v4.release.load import _restore_float32
+from primus_v4.models.deepseek_v4.weight_init import init_buffers
+from primus_v4.models.deepseek_v41.config import DeepseekV41Config
+from primus_v4.models.deepseek_v41.model import DeepseekV41Model
+from primus_v4.models.deepseek_v41.release import state_dict_adapter as adapter
+from primus_v4.models.deepseek_v41.release.config_json import config_from_release
+
+log = get_logger(__name__)
+KEEP_RELEASE = "DeepSeek-V4.1 cannot keep its base as released yet (model.lora.base: release)"
+
+
+def read_config(path: str | os.PathLike, **overrides) -> DeepseekV41Config:
+    """DeepseekV41Config from a release directory's config.json (or the file itself)."""
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    if not file.exists():
+        raise FileNotFoundError(f"{file}: no config.json; pass a release checkpoint directory")
+    return config_from_release(json.loads(file.read_text()), source=str(file), **overrides)
+
+
+def open_release(path: str | os.PathLike) -> CheckpointReader:
+    return CheckpointReader(path)
+
+
+def check_release(reader: CheckpointReader, cfg: DeepseekV41Config) -> list[str]:
+    """Names and shapes of the release against the model (no tensor read); returns the
+    non-text tensors left in the release. Raises naming every unknown or missing tensor."""
+    expected = adapter.release_tensors(cfg)
+    names = set(reader.names())
+    left = sorted(n for n in names if adapter.non_text(n))
+    unknown = sorted(names - set(expected) - set(left))
+    missing = sorted(set(expected) - names)
+    if unknown or missing:
+        raise CheckpointFormatError(
+            f"{reader.directory}: not this model's checkpoint: unknown tensors {unknown[:8]}"
+            f"{' ...' if len(unknown) > 8 else ''}, missing tensors {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}"
+        )
+    for name, (shape, _) in expected.items():
+        reader.read_check(name, shape)
+    return left
+
+
+def _expert_range(model: nn.Module, key: str) -> tuple[int, int] | None:
+    """The global expert rows [lo, hi) a rank's expert weight `key` holds (None: not experts)."""
+    if not key.endswith((".moe.w_gate_up", ".moe.w_down")):
+        return None
+    moe = model.get_submodule(key.rsplit(".", 1)[0])
+    lo = getattr(moe, "expert_offset", 0)
+    return lo, lo + getattr(moe, key.rsplit(".", 1)[1]).shape[0]
+
+
+@torch.no_grad()
+def load_rank_weights(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    progress: bool = False,
+    token_map: torch.Tensor | None = None,
+) -> None:
+    """Fill every parameter and persistent buffer of `model` (a whole model or a rank's expert
+    slice; our names) from the release, reading only the tensors those hold; then the Engram
+    token map (`token_map`, default the release tokenizer's)."""
+    del progress
+    cfg = model.cfg
+    table = adapter.name_table(cfg)
+    state = model.state_dict()
+    with open_release(path) as reader:
+        left = check_release(reader, cfg)
+        if left:
+            log.info("%s: not part of the text model, left in the release: %s", path,
+                     ", ".join(left))  # fmt: skip
+        for key, dst in state.items():
+            if key not in table:
+                continue  # config-derived buffers (RoPE, the token map) are no checkpoint state
+            entry = table[key]
+            experts = _expert_range(model, key)
+            if experts is not None:
+                entry = adapter.expert_slice(entry, *experts)
+            parts = [reader.read(n, dst.dtype, fmt=adapter.FORMATS.get(entry.kind))
+                     for n in entry.release]  # fmt: skip
+            dst.copy_(adapter.join(entry, parts))
+    unfilled = sorted(n for n, _ in model.named_parameters() if n not in table)
+    if unfilled:
+        raise CheckpointFormatError(f"{path}: parameters without a release tensor: {unfilled}")
+    if cfg.engram_layer_ids:
+        model.set_token_map(release_token_map(path, cfg) if token_map is None else token_map)
+
+
+def rank_loader(directory: str | os.PathLike, *, progress: bool = False):
+    """The `weights=` callback of `parallelize`: load this rank's slice of `directory`."""
+
+    def load(model: nn.Module) -> None:
+        load_rank_weights(model, directory, progress=progress)
+
+    return load
+
+
+def check(directory: str | os.PathLike, cfg: DeepseekV41Config, *, keep_release: bool = False):
+    """Index, shard headers and names of `directory` against the model config (no tensor read)."""
+    if keep_release:
+        raise CheckpointFormatError(KEEP_RELEASE)
+    with open_release(directory) as reader:
+        check_release(reader, cfg)
+
+
+@torch.no_grad()
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+    keep_release: bool = False,
+    token_map: torch.Tensor | None = None,
+) -> DeepseekV41Model:
+    """The whole V4.1 text model of a release directory, every parameter decoded into `dtype`.
+
+    token_map: the Engram token map ([vocab] int64); default: the one of the release's own
+    tokenizer (`engram_vocab.token_map_of`, checked against the config's compressed size)."""
+    if keep_release:
+        raise CheckpointFormatError(KEEP_RELEASE)
+    cfg = read_config(path)
+    with torch.device("meta"):
+        model = DeepseekV41Model(cfg)
+    model.to(dtype)  # still on meta: nothing is allocated twice
+    _restore_float32(model)
+    model.to_empty(device=device)
+    init_buffers(model)
+    load_rank_weights(model, path, progress=progress, token_map=token_map)
+    model.release_source = Path(path)  # where an export finds the tensors it carries over
+    return model
+
+
+def release_token_map(path: str | os.PathLike, cfg: DeepseekV41Config) -> torch.Tensor:
+    """The Engram token map of the release's own tokenizer (refused unless its size is the
+    config's `engram_compressed_vocab_size`)."""
+    from primus_v4.models.deepseek_v41 import engram_vocab
+
+    return torch.from_numpy(engram_vocab.token_map_of(Path(path), cfg)).to(torch.int64)
