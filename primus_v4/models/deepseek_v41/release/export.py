@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from primus_v4.checkpoint_formats.sharded import WriteSummary
 from primus_v4.errors import CheckpointFormatError
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as adapter
 
@@ -65,9 +66,13 @@ def write_state(
     *,
     dtype: str = "bfloat16",
     source: str | os.PathLike | None = None,
+    carry_from: str | os.PathLike | None = None,
     **options: Any,
-) -> Any:
-    """Write state-dict pieces (our names; together the whole model) as a release at `out`."""
+) -> WriteSummary:
+    """Write state-dict pieces (our names; together the whole model) as a release at `out`
+    beside `source` (a training run's export passes the release it started from as
+    `carry_from`)."""
+    source = source or carry_from
     if source is None:
         raise CheckpointFormatError(NO_SOURCE)
     _check_dtype(dtype)
@@ -75,4 +80,4 @@ def write_state(
 
     options.pop("extra_files", None)  # the writer copies the source's tokenizer files
     pieces = (adapter.to_release(cfg, piece) for piece in state)
-    return save_release(pieces, Path(source), out, dtype=dtype, **options)
+    return save_release(pieces, Path(source), out, dtype=dtype, **options).summary

@@ -26,6 +26,7 @@ from primus_v4.models.deepseek_v4.weight_init import init_buffers
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
 from primus_v4.models.deepseek_v41.model import DeepseekV41Model
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as adapter
+from primus_v4.models.deepseek_v41.release import tensors
 from primus_v4.models.deepseek_v41.release.config_json import config_from_release
 
 log = get_logger(__name__)
@@ -50,7 +51,7 @@ def check_release(reader: CheckpointReader, cfg: DeepseekV41Config) -> list[str]
     non-text tensors left in the release. Raises naming every unknown or missing tensor."""
     expected = adapter.release_tensors(cfg)
     names = set(reader.names())
-    left = sorted(n for n in names if adapter.non_text(n))
+    left = sorted(n for n in names if tensors.not_text(n))
     unknown = sorted(names - set(expected) - set(left))
     missing = sorted(set(expected) - names)
     if unknown or missing:
@@ -100,7 +101,7 @@ def load_rank_weights(
             experts = _expert_range(model, key)
             if experts is not None:
                 entry = adapter.expert_slice(entry, *experts)
-            parts = [reader.read(n, dst.dtype, fmt=adapter.FORMATS.get(entry.kind))
+            parts = [reader.read(n, dst.dtype, fmt=tensors.FORMATS.get(entry.kind))
                      for n in entry.release]  # fmt: skip
             dst.copy_(adapter.join(entry, parts))
     unfilled = sorted(n for n, _ in model.named_parameters() if n not in table)

@@ -14,27 +14,18 @@ cat(w1, w3) / w2). `release_tensors(cfg)` gives each logical release tensor its 
   bf16 / fp32   stored as is.
 Tensors of the release that are not the text backbone (the vision tower, `aligner.*`,
 `image_*`, the DSpark stages `mtp.*`, and `ffn.gate.bias_vl`, the routing bias of image tokens)
-are `non_text`: never loaded, carried over by an export.
+are `tensors.not_text`: never loaded, carried over by an export. Each entry's storage kind is
+one of `tensors.py`'s (its `kind_of` agrees, tested).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from primus_v4.checkpoint_formats.fp8_fp4 import FP4_1X32, FP8_1X32, FP8_32X32, QuantFormat
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
-
-FORMATS: dict[str, QuantFormat] = {"fp8": FP8_32X32, "fp4": FP4_1X32, "fp8row": FP8_1X32}
-NON_TEXT = (r"^vision\.", r"^aligner\.", r"^image_", r"^mtp\.", r"\.ffn\.gate\.bias_vl$")
-
-
-def non_text(name: str) -> bool:
-    """A release tensor that is not part of the text backbone (kept in the release as is)."""
-    return any(re.search(p, name) for p in NON_TEXT)
 
 
 @dataclass(frozen=True, kw_only=True)

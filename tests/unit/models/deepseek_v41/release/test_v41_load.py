@@ -15,6 +15,7 @@ from primus_v4.errors import CheckpointFormatError
 from primus_v4.models.deepseek_v41.model import DeepseekV41Model
 from primus_v4.models.deepseek_v41.release import load
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as adapter
+from primus_v4.models.deepseek_v41.release import tensors
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ def model(golden_model):
 def _by_hand(reader: CheckpointReader, name: str, kind: str) -> torch.Tensor:
     """An independent decode: codes x 2^(scale - 127) with torch's own e4m3 / e8m0 casts."""
     raw = reader._raw(name)
-    if kind not in adapter.FORMATS:
+    if kind not in tensors.FORMATS:
         return raw.float()
     scale = reader._raw(reader._scale_of[name]).float()
     if kind == "fp4":
@@ -44,7 +45,7 @@ def test_every_text_tensor_is_decoded_exactly_and_given_back_by_name(model, capl
     assert set(out) == set(expected)
     stored_as = {"fp8": "fp8", "fp8row": "fp8", "fp4": "fp4", "bf16": "bf16", "fp32": "fp32"}
     with CheckpointReader(CHECKPOINT) as reader:
-        text = [n for n in reader.names() if not adapter.non_text(n)]
+        text = [n for n in reader.names() if not tensors.not_text(n)]
         assert sorted(text) == sorted(expected)  # every text tensor of the release is consumed
         kinds = {}
         for name, (shape, kind) in expected.items():
