@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from primus_v4.data.mixing import parse_sources
+from primus_v4.data.packing import MAX_SEQ_LENGTH
 from primus_v4.errors import ConfigError, DataError
 
 
@@ -46,6 +47,10 @@ class DataConfig:
     """Tokenizer dir or tokenizer.json; None = the DeepSeek-V4 tokenizer (offline)."""
     strict: bool = False
     """Bad corpus rows become an error naming file and line instead of being counted."""
+    special_tokens_in_text: Literal["keep", "warn", "error"] = "warn"
+    """Special-token text inside message content (`<｜Assistant｜>`, `</think>`...), which
+    encodes as the special token itself: counted in the pack stats and `keep` (silently),
+    `warn` (once per source) or `error` (the corpus is refused, naming the first row)."""
     cache_dir: str | None = None
     """Pack cache directory (node-local by default when None)."""
     lock_dir: str | None = None
@@ -77,6 +82,9 @@ class DataConfig:
             "set either data.eval_path or data.eval_fraction, not both",
         )
         _require(self.seq_length >= 8, "data.seq_length", f"must be >= 8, got {self.seq_length}")
+        _require(self.seq_length <= MAX_SEQ_LENGTH, "data.seq_length",
+                 f"{self.seq_length} is above its bound {MAX_SEQ_LENGTH} (4x the 1M-token "
+                 "context of the V4 releases)")  # fmt: skip
         _require(self.lock_timeout_s > 0, "data.lock_timeout_s", "must be > 0")
 
 
