@@ -21,6 +21,21 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+# Upper bounds of the run's sizes, far above any real run, so that a typo fails here with its
+# name and value, before batches or adapters are allocated (model sizes: SIZE_BOUNDS of the
+# model family; data.seq_length: packing.MAX_SEQ_LENGTH).
+RUN_SIZE_BOUNDS = {
+    "model.lora.rank": 1 << 14,
+    "train.micro_batch_size": 1 << 16,
+    "train.global_batch_size": 1 << 24,
+}
+
+
+def _bounded(key: str, value: int) -> None:
+    bound = RUN_SIZE_BOUNDS[key]
+    _require(value <= bound, key, f"{value} is above its bound {bound}")
+
+
 @dataclass(kw_only=True)
 class DataConfig:
     """Where the corpus is and how it becomes rows."""
@@ -123,6 +138,7 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         _require(self.rank >= 0, "model.lora.rank", f"must be >= 0, got {self.rank}")
+        _bounded("model.lora.rank", self.rank)
         _require(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
         _require(0.0 <= self.dropout < 1.0, "model.lora.dropout",
                  f"must be in [0, 1), got {self.dropout}")  # fmt: skip
@@ -349,6 +365,8 @@ class TrainConfig:
             "train.micro_batch_size",
             f"must be >= 1, got {self.micro_batch_size}",
         )
+        _bounded("train.micro_batch_size", self.micro_batch_size)
+        _bounded("train.global_batch_size", self.global_batch_size)
         _require(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _require(
             0 <= self.min_lr <= self.lr,

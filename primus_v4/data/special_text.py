@@ -42,20 +42,19 @@ class SpecialTextFinder:
         self._firsts = tuple({k[0] for k in self._buckets})
 
     def find(self, text: str) -> list[str]:
-        if not any(c in text for c in self._firsts):
-            return []
         found, i = [], 0
-        while i < len(text) - 1:
-            candidates = self._buckets.get(text[i : i + 2])
-            hit = (
-                next((t for t in candidates if text.startswith(t, i)), None) if candidates else None
-            )
+        while True:  # jump from one possible first character to the next (str.find is C)
+            starts = [p for c in self._firsts if (p := text.find(c, i)) >= 0]
+            if not starts:
+                return found
+            i = min(starts)
+            candidates = self._buckets.get(text[i : i + 2], ())
+            hit = next((t for t in candidates if text.startswith(t, i)), None)
             if hit is None:
                 i += 1
                 continue
             found.append(hit)
             i += len(hit)
-        return found
 
 
 @dataclass(kw_only=True)

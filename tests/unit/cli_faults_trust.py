@@ -63,6 +63,11 @@ def _(ws: Ws):
     yield ["train", "--dry-run", "--set", f"model.overrides.num_layers={10**6}"]
 
 
+@case("train: LoRA rank above its bound", ExitCode.CONFIG, "model.lora.rank: 1000000 is above")
+def _(ws: Ws):
+    yield ["train", "--dry-run", "--set", f"model.lora.rank={10**6}"]
+
+
 @case("train: release config.json num_hidden_layers=10**6", ExitCode.PRETRAINED,
       "num_hidden_layers=1000000 is above its bound 1024")  # fmt: skip
 def _(ws: Ws):
