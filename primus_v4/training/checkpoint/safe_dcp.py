@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -94,10 +95,17 @@ def read_metadata(path: str | Path) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with the restricted metadata unpickler."""
+    """DCP's file reader with the restricted metadata unpickler; keeps a refusal (DCP folds
+    it into a multi-line error of its own)."""
+
+    refused: RefusedObject | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        meta = read_metadata(self.path)
+        try:
+            meta = read_metadata(self.path)
+        except RefusedObject as exc:
+            self.refused = exc
+            raise
         if getattr(meta, "storage_meta", None) is None:
             meta.storage_meta = dcp_metadata.StorageMeta()
         meta.storage_meta.load_id = self.load_id
@@ -117,10 +125,11 @@ class SafePlanner(DefaultLoadPlanner):
             with torch.serialization.safe_globals(_NUMPY_GLOBALS):
                 loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            what = str(exc).split("\n\n")[-1].strip().splitlines()[0] if str(exc) else ""
+            named = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)", str(exc))
+            what = f"it names {named.group(1)}" if named else "it is not plain data"
             raise RefusedObject(
-                f"{self._source}: refused to load the value {fqn!r}: it is not plain data "
-                f"({what or 'an object outside the admitted types'}; nothing in it was run)"
+                f"{self._source}: refused to load the value {fqn!r}: {what}, which is not "
+                "checkpoint data (a planted or foreign file; nothing in it was run)"
             ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
@@ -132,21 +141,20 @@ def load(state: dict[str, Any], path: str | Path, *, no_dist: bool = True) -> No
     """`dcp.load(state)` from `path` in place through the restricted reader and planner; a
     refused object is raised as itself (not inside DCP's multi-rank exception)."""
     path = Path(path)
-    read_metadata(path)  # DCP would turn a refusal into a multi-line AssertionError
+    reader = SafeReader(path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's no_dist notice
-            dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(path),
-                     no_dist=no_dist)  # fmt: skip
-    except CheckpointException as exc:
-        refused = _refusal(exc)
+            dcp.load(state, storage_reader=reader, planner=SafePlanner(path), no_dist=no_dist)
+    except (CheckpointException, AssertionError) as exc:
+        refused = reader.refused or _refusal(exc)
         if refused is not None:
             raise refused from None
         raise
 
 
-def _refusal(exc: CheckpointException) -> RefusedObject | None:
-    for failure in exc.failures.values():
+def _refusal(exc: BaseException) -> RefusedObject | None:
+    for failure in getattr(exc, "failures", {}).values():
         error = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(error, RefusedObject):
             return error
