@@ -118,3 +118,40 @@ def remove_stale(directory: Path, prefix: str) -> list[str]:
             path.unlink(missing_ok=True)
         removed.append(path.name)
     return removed
+
+
+def _unsafe(path: Path, st: os.stat_result) -> str | None:
+    if st.st_uid != os.getuid():
+        return f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by group or others (mode {st.st_mode & 0o777:o})"
+    return None
+
+
+def private_dir_problem(path: str | Path, *, top: str | Path | None = None) -> str | None:
+    """Create directory `path` (and the ones from `top` down to it) with mode 0700 where missing;
+    why it cannot be trusted with files this process will load back (None when it can): a
+    directory from `top` (default `path` itself) down to `path` that another user owns, or that
+    group or others may write, where someone else could plant or swap what we read back.
+    A directory that cannot be created is left to `writable_problem` to explain."""
+    path = Path(path).expanduser().absolute()
+    top = Path(top).expanduser().absolute() if top is not None else path
+    chain = [path, *(p for p in path.parents if p.is_relative_to(top))]
+    for directory in reversed(chain):
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, exist_ok=True)
+            st = os.stat(directory)
+        except OSError:
+            return None
+        problem = _unsafe(directory, st)
+        if problem is not None:
+            return problem
+    return None
+
+
+def trusted_file_problem(path: str | Path) -> str | None:
+    """Why a file this process is about to load as code cannot be trusted (None when it can)."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return f"{path} is not a regular file"
+    return _unsafe(Path(path), os.stat(path))

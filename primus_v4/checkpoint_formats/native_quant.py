@@ -9,7 +9,10 @@ the same exponent rule; tested over every bf16 pattern and against the float32 p
 The source is compiled on first use with `$CC` (default `cc`, `-O3`) into the cache directory
 (`$PRIMUS_V4_CACHE_DIR`, else `$XDG_CACHE_HOME/primus_v4`, else `~/.cache/primus_v4`), under a
 name that hashes the source, the compiler's version and the machine, written to a temp file and
-renamed into place (ranks compiling at once do not see a half-written library). Without a
+renamed into place (ranks compiling at once do not see a half-written library). A library is code
+this process runs: it is loaded only from a directory created 0700, owned by this user and not
+writable by group or others, and only when the file itself is ours and not writable by others;
+otherwise it is refused with one warning and the torch path runs. Without a
 compiler, or with `PRIMUS_V4_NATIVE_QUANT=0`, `quantize` returns None and the torch path runs:
 the same bits, slower. ctypes releases the GIL during the call, so export threads run it in
 parallel.
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from primus_v4.durable import private_dir_problem, trusted_file_problem
 from primus_v4.log import get_logger
 
 log = get_logger(__name__)
@@ -63,6 +67,13 @@ def _library(compiler: str, *, portable: bool = False) -> ctypes.CDLL | None:
             source + version.encode() + platform.machine().encode() + " ".join(flags).encode()
         ).hexdigest()
         target = cache_dir() / f"quant_bf16-{key[:16]}.so"
+        problem = private_dir_problem(target.parent)
+        if problem is None and target.is_file():
+            problem = trusted_file_problem(target)
+        if problem is not None:
+            log.warning("native bf16 quantizer refused: %s (someone else could have put code "
+                        "there); torch ops quantize (the same bits, slower)", problem)  # fmt: skip
+            return None
         if not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".quant_bf16-", suffix=".so")

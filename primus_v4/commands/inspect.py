@@ -80,23 +80,24 @@ def _describe(path: Path, *, verify: bool) -> dict:
 
     key = path.name.removeprefix("pack-")
     try:
-        manifest = cache.read_manifest(path)
+        manifest = cache.check_manifest(cache.read_manifest(path), path)
     except (OSError, ValueError) as exc:
         return {"entry": path.name, "status": f"invalid: no readable manifest ({exc})"}
+    except cache.CacheInvalid as exc:  # under --verify a damage like any other
+        return {"entry": path.name, "status": f"{'CORRUPT' if verify else 'invalid'}: {exc}"}
     status = "ok" if not verify else "verified"
     if verify:
         try:
             cache.verify(path, key)
         except cache.CacheInvalid as exc:
             status = f"CORRUPT ({exc})"
-    stats = manifest.get("stats", {})
-    fields = manifest.get("key_fields", {})
+    stats, fields = manifest["stats"], manifest["key_fields"]
     return {
         "key": key,
         "status": status,
         "bytes": cache.dir_bytes(path),
         "data": manifest.get("data"),
-        "seq_length": manifest.get("seq_length"),
+        "seq_length": manifest["seq_length"],
         "algorithm": fields.get("algorithm"),
         "key_fields": fields,
         **{k: stats.get(k) for k in STATS_KEYS if k not in _PER_CALL_STATS},

@@ -81,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strict", action="store_true", help="a bad row is an error naming its file and line"
     )
     parser.add_argument(
+        "--special-tokens-in-text",
+        choices=("keep", "warn", "error"),
+        default="warn",
+        help="special-token text inside message content (it encodes as the special token): "
+        "counted, and kept silently, warned about (default) or refused",
+    )
+    parser.add_argument(
         "--lock-dir",
         default=None,
         help="node-local lock dir (default $PRIMUS_PACK_LOCK_DIR or $TMPDIR/primus_v4-UID/locks)",
@@ -102,6 +109,12 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _special(counts: dict[str, int] | None) -> str:
+    if not counts:
+        return "not counted"
+    return f"{counts['rows']} ({counts['occurrences']} occurrences)"
+
+
 def summary_table(stats: dict[str, Any]) -> str:
     rows = [
         ("cache", f"{'hit' if stats['cache_hit'] else 'built'}  key={stats['cache_key']}"),
@@ -111,6 +124,7 @@ def summary_table(stats: dict[str, Any]) -> str:
         ("chat format", stats.get("chat_format", "")),
         ("chat modes (rows)", _fmt(stats.get("chat_modes", {}))),
         ("bad rows", _fmt(stats["bad_rows"])),
+        ("special-token text (rows)", _special(stats.get("special_tokens_in_text"))),
         *(
             (f"  first bad row {k + 1}", f"{e['where']}: {e['detail']}")
             for k, e in enumerate(stats.get("bad_row_examples", []))
@@ -209,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         overlong=args.overlong,
         tokenizer=args.tokenizer,
         strict=args.strict,
+        special_tokens_in_text=args.special_tokens_in_text,
         cache_dir=args.cache_dir,
         lock_dir=args.lock_dir,
         lock_timeout_s=args.lock_timeout,

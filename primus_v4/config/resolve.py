@@ -273,6 +273,7 @@ def pack_spec(cfg: RunConfig, *, split: str | None = None) -> PackSpec:
             overlong=d.overlong,
             tokenizer=tokenizer_of(cfg),
             strict=d.strict,
+            special_tokens_in_text=d.special_tokens_in_text,
             cache_dir=d.cache_dir,
             lock_dir=d.lock_dir,
             lock_timeout_s=d.lock_timeout_s,

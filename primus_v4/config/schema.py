@@ -12,12 +12,28 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from primus_v4.data.mixing import parse_sources
+from primus_v4.data.packing import MAX_SEQ_LENGTH
 from primus_v4.errors import ConfigError, DataError
 
 
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
+
+
+# Upper bounds of the run's sizes, far above any real run, so that a typo fails here with its
+# name and value, before batches or adapters are allocated (model sizes: SIZE_BOUNDS of the
+# model family; data.seq_length: packing.MAX_SEQ_LENGTH).
+RUN_SIZE_BOUNDS = {
+    "model.lora.rank": 1 << 14,
+    "train.micro_batch_size": 1 << 16,
+    "train.global_batch_size": 1 << 24,
+}
+
+
+def _bounded(key: str, value: int) -> None:
+    bound = RUN_SIZE_BOUNDS[key]
+    _require(value <= bound, key, f"{value} is above its bound {bound}")
 
 
 @dataclass(kw_only=True)
@@ -50,6 +66,10 @@ class DataConfig:
     """Tokenizer dir or tokenizer.json; None = the DeepSeek-V4 tokenizer (offline)."""
     strict: bool = False
     """Bad corpus rows become an error naming file and line instead of being counted."""
+    special_tokens_in_text: Literal["keep", "warn", "error"] = "warn"
+    """Special-token text inside message content (`<｜Assistant｜>`, `</think>`...), which
+    encodes as the special token itself: counted in the pack stats and `keep` (silently),
+    `warn` (once per source) or `error` (the corpus is refused, naming the first row)."""
     cache_dir: str | None = None
     """Pack cache directory (node-local by default when None)."""
     lock_dir: str | None = None
@@ -81,6 +101,9 @@ class DataConfig:
             "set either data.eval_path or data.eval_fraction, not both",
         )
         _require(self.seq_length >= 8, "data.seq_length", f"must be >= 8, got {self.seq_length}")
+        _require(self.seq_length <= MAX_SEQ_LENGTH, "data.seq_length",
+                 f"{self.seq_length} is above its bound {MAX_SEQ_LENGTH} (4x the 1M-token "
+                 "context of the V4 releases)")  # fmt: skip
         _require(self.lock_timeout_s > 0, "data.lock_timeout_s", "must be > 0")
 
 
@@ -119,6 +142,7 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         _require(self.rank >= 0, "model.lora.rank", f"must be >= 0, got {self.rank}")
+        _bounded("model.lora.rank", self.rank)
         _require(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
         _require(0.0 <= self.dropout < 1.0, "model.lora.dropout",
                  f"must be in [0, 1), got {self.dropout}")  # fmt: skip
@@ -345,6 +369,8 @@ class TrainConfig:
             "train.micro_batch_size",
             f"must be >= 1, got {self.micro_batch_size}",
         )
+        _bounded("train.micro_batch_size", self.micro_batch_size)
+        _bounded("train.global_batch_size", self.global_batch_size)
         _require(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _require(
             0 <= self.min_lr <= self.lr,

@@ -6,12 +6,18 @@ Layout of one entry, `<cache_dir>/pack-<key>/`:
     sample_offsets.npy  int64 [N+1]   token offset of each sample (pack order)
     pack_offsets.npy    int64 [P+1]   sample offset of each pack
     sample_rows.npy     int64 [N]     source row of each sample (for export and checks)
-    manifest.json       key, key fields, stats, size + sha256 of every file (written last)
+    manifest.json       key, key fields, stats, size + sha256 of every file, its own sha256
+                        (written last)
 
 An entry is written into `.tmp-pack-<key>-<host>-<pid>/`, fsynced, then renamed into place in one
 step: a reader never sees a partial entry and a killed writer leaves only its temp dir (removed by
 the next builder on that host). A manifest that does not match the files (truncation, bit rot,
-an interrupted copy) makes the entry invalid; the caller rebuilds it.
+an interrupted copy), its own checksum, or the key recomputed from this call's inputs makes the
+entry invalid; the caller rebuilds it.
+
+Trust: the default root `$TMPDIR/primus_v4-<uid>` has a name anyone can predict, so the cache and
+lock dirs are created 0700 and refused when another user owns them or group or others may write
+them (`require_private`): no one else can plant an entry whose manifest we would then believe.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from primus_v4.durable import fsync_dir
-from primus_v4.errors import DataError, describe_os_error
+from primus_v4.durable import fsync_dir, private_dir_problem
+from primus_v4.errors import DataError, PathError, describe_os_error
 from primus_v4.log import get_logger
 
 log = get_logger(__name__)
@@ -39,6 +45,7 @@ log = get_logger(__name__)
 # Part of the key: bump when the on-disk layout or the meaning of any array changes.
 FORMAT_VERSION = "primus_v4.pack/1"
 MANIFEST = "manifest.json"
+CHECKSUM = "manifest_sha256"
 ARRAY_FILES = ("tokens", "supervised", "sample_offsets", "pack_offsets", "sample_rows")
 
 
@@ -50,6 +57,18 @@ def _node_local_root() -> Path:
     # Per user, on this node: home directories are often NFS (locks go stale across nodes there)
     # and a fixed name under /tmp would be shared between users.
     return Path(os.environ.get("TMPDIR") or "/tmp") / f"primus_v4-{os.getuid()}"
+
+
+def require_private(directory: Path, knob: str, what: str = "cache") -> None:
+    """Create `directory` 0700 (with the node-local root above it, when under it) or refuse it:
+    another user's, or writable by group or others. `what`: cache or lock."""
+    root = _node_local_root().absolute()
+    top = root if directory.absolute().is_relative_to(root) else directory
+    problem = private_dir_problem(directory, top=top)
+    if problem is not None:
+        raise PathError(f"refusing the pack {what} dir {directory}: {problem}, so another user "
+                        f"could plant {'entries' if what == 'cache' else 'locks'} there; remove "
+                        f"it or point {knob} at a directory only you can write")  # fmt: skip
 
 
 def default_cache_dir() -> Path:
@@ -201,7 +220,9 @@ def publish(
     try:
         temp.mkdir()
         files = {name: _write_array(temp / f"{name}.npy", arrays[name]) for name in ARRAY_FILES}
-        body = json.dumps({**manifest, "key": key, "files": files}, indent=2, sort_keys=True)
+        complete = {**manifest, "key": key, "files": files}
+        complete[CHECKSUM] = manifest_checksum(complete)
+        body = json.dumps(complete, indent=2, sort_keys=True)
         with (temp / MANIFEST).open("w", encoding="utf-8") as f:
             f.write(body)
             f.flush()
@@ -215,7 +236,7 @@ def publish(
             if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
             try:
-                verify(final, key)
+                verify(final, key, manifest.get("key_fields"))
                 log.info("cache entry %s appeared during the build; using it", final)
                 shutil.rmtree(temp, ignore_errors=True)
                 return final
@@ -235,26 +256,81 @@ def read_manifest(entry: Path) -> dict[str, Any]:
     return json.loads((entry / MANIFEST).read_text(encoding="utf-8"))
 
 
-def verify(entry: Path, key: str) -> dict[str, Any]:
-    """The entry's manifest if every file matches its recorded size and sha256."""
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's canonical JSON without its own checksum field."""
+    body = {k: v for k, v in manifest.items() if k != CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+# Each manifest field a reader relies on, with its type (bool is not an int here).
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "key": str, "format_version": str, "seq_length": int, "pad_id": int, "stats": dict,
+    "key_fields": dict, "files": dict, CHECKSUM: str,
+}  # fmt: skip
+
+
+def _typed(value: Any, kind: type | tuple[type, ...]) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def check_manifest(manifest: Any, entry: Path) -> dict[str, Any]:
+    """`manifest` if it is one this code wrote for `entry`'s key: every field present and of its
+    type, its checksum matching, its key the hash of its own key fields (and seq_length theirs).
+    A hand-edited or planted manifest fails here, before any of its values is used."""
+    where = entry / MANIFEST
+    if not isinstance(manifest, dict):
+        raise CacheInvalid(f"{where}: a JSON {type(manifest).__name__}, not an object")
+    for name, kind in _FIELDS.items():
+        if not _typed(manifest.get(name), kind):
+            got = type(manifest[name]).__name__ if name in manifest else "missing"
+            raise CacheInvalid(f"{where}: field {name!r} is {got}, not {_type_name(kind)}")
+    for name in ARRAY_FILES:
+        record = manifest["files"].get(name)
+        if not (isinstance(record, dict) and _typed(record.get("bytes"), int)
+                and isinstance(record.get("sha256"), str)):  # fmt: skip
+            raise CacheInvalid(f"{where}: files.{name} is not {{bytes: int, sha256: str}}")
+    if manifest_checksum(manifest) != manifest[CHECKSUM]:
+        raise CacheInvalid(f"{where}: the manifest does not match its checksum (edited?)")
+    key = entry.name.removeprefix("pack-")
+    if manifest["key"] != key or cache_key(manifest["key_fields"]) != key:
+        raise CacheInvalid(f"{where}: key {manifest['key']!r} is not the hash of its key fields "
+                           f"or not the entry's name {key!r}")  # fmt: skip
+    if manifest["seq_length"] != manifest["key_fields"].get("seq_length"):
+        raise CacheInvalid(f"{where}: seq_length {manifest['seq_length']} differs from its key's")
+    if not 0 <= manifest["pad_id"] < 2**32:
+        raise CacheInvalid(f"{where}: pad_id {manifest['pad_id']} is not a token id")
+    return manifest
+
+
+def _type_name(kind: type | tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+
+
+def verify(entry: Path, key: str, fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The entry's manifest if it is well formed and consistent (`check_manifest`), was built
+    from `fields` (the key fields recomputed from this call's inputs, when given), and every
+    file matches its recorded size and sha256."""
     try:
         manifest = read_manifest(entry)
     except FileNotFoundError:
         raise CacheInvalid(f"{entry} has no {MANIFEST}") from None
     except (OSError, ValueError) as exc:
         raise CacheInvalid(f"{entry / MANIFEST} is unreadable: {exc}") from None
-    if manifest.get("key") != key or manifest.get("format_version") != FORMAT_VERSION:
+    check_manifest(manifest, entry)
+    if manifest["key"] != key or manifest["format_version"] != FORMAT_VERSION:
         raise CacheInvalid(f"{entry}: manifest key/version does not match {key}/{FORMAT_VERSION}")
+    if fields is not None and manifest["key_fields"] != json.loads(json.dumps(fields)):
+        raise CacheInvalid(f"{entry}: built from other inputs than this call's (key fields differ)")
     for name in ARRAY_FILES:
         path = entry / f"{name}.npy"
-        expected = manifest.get("files", {}).get(name, {})
+        expected = manifest["files"][name]
         try:
             size = path.stat().st_size
         except OSError:
             raise CacheInvalid(f"{path} is missing") from None
-        if size != expected.get("bytes"):
-            raise CacheInvalid(f"{path}: {size} bytes, manifest says {expected.get('bytes')}")
-        if _sha256(path) != expected.get("sha256"):
+        if size != expected["bytes"]:
+            raise CacheInvalid(f"{path}: {size} bytes, manifest says {expected['bytes']}")
+        if _sha256(path) != expected["sha256"]:
             raise CacheInvalid(f"{path}: sha256 does not match the manifest")
     return manifest
 

@@ -23,15 +23,57 @@ LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 SYNTHETIC_DEFAULT_ROWS = 2000
 SYNTHETIC_DEFAULT_SEED = 0
 
-# Marks a line that did not parse as JSON; such a row is counted as bad ("not_json").
+# Marks a row that cannot be read as data; it is counted as bad (its `reason`).
 NOT_JSON = object()
+# Bounds of one row, so that one hostile row costs bounded time and memory and never ends the
+# pack: its JSON (a line) or its text (a row of a .json list or of parquet) at most 8 MiB (2M
+# tokens at ~4 bytes a token, twice the 1M-token context of the V4 releases), and containers
+# nested at most 100 deep (a chat row is ~6: row, messages, message, content parts, tool
+# arguments). Deeper or larger rows are bad rows (`too_large`, `too_deep`).
+MAX_ROW_BYTES = 8 << 20
+MAX_ROW_DEPTH = 100
 
 
 @dataclass(frozen=True, kw_only=True)
 class RawRow:
     where: str  # e.g. "data.jsonl line 12" or "data.json row 3" (1-based), for messages
     value: Any  # the parsed row (normally a dict), or NOT_JSON
-    error: str = ""  # the JSON parser's message when value is NOT_JSON
+    error: str = ""  # why, when value is NOT_JSON (the JSON parser's message, a bound)
+    reason: str = "not_json"  # the bad-row reason (templates.BAD_REASONS), when NOT_JSON
+
+
+def row_problem(value: Any) -> tuple[str, str] | None:
+    """(reason, detail) when a parsed row breaks a bound or holds text no tokenizer takes (a
+    lone UTF-16 surrogate such as \\ud800, which JSON escapes can spell); None when it is fine.
+    Iterative, so no depth of nesting reaches Python's recursion limit."""
+    size, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            size += len(item)
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    code = ord(item[exc.start])
+                    return "bad_text", f"a lone surrogate \\u{code:04x} (not a character)"
+        elif isinstance(item, dict | list):
+            if depth > MAX_ROW_DEPTH:
+                return "too_deep", f"nested deeper than {MAX_ROW_DEPTH} levels"
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+            if isinstance(item, dict):
+                stack.extend((key, depth + 1) for key in item)
+        if size > MAX_ROW_BYTES:
+            return "too_large", f"more than {MAX_ROW_BYTES >> 20} MiB of text"
+    return None
+
+
+def _checked(where: str, value: Any) -> RawRow:
+    problem = row_problem(value)
+    if problem is None:
+        return RawRow(where=where, value=value)
+    return RawRow(where=where, value=NOT_JSON, reason=problem[0], error=problem[1])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,12 +207,20 @@ def _iter_json_lines(path: Path, data: bytes) -> Iterator[RawRow]:
             continue
         if not line.strip():
             continue  # blank lines carry no row; not worth a "bad row" count
+        if len(raw) > MAX_ROW_BYTES:  # not even parsed
+            detail = f"{len(raw)} bytes, above the row bound of {MAX_ROW_BYTES >> 20} MiB"
+            yield RawRow(where=where, value=NOT_JSON, reason="too_large", error=detail)
+            continue
         try:
             value = json.loads(line)
         except json.JSONDecodeError as exc:
-            yield RawRow(where=where, value=NOT_JSON, error=exc.msg)
+            yield RawRow(where=where, value=NOT_JSON, error=f"not valid JSON ({exc.msg})")
             continue
-        yield RawRow(where=where, value=value)
+        except RecursionError:
+            detail = f"nested deeper than {MAX_ROW_DEPTH} levels"
+            yield RawRow(where=where, value=NOT_JSON, reason="too_deep", error=detail)
+            continue
+        yield _checked(where, value)
 
 
 def _not_utf8(path: Path, data: bytes, exc: UnicodeDecodeError) -> DataError:
@@ -200,11 +250,16 @@ def _read_json_file(path: Path) -> Iterator[RawRow]:
             yield from _iter_json_lines(path, data)
             return
         raise _not_utf8(path, data, exc) from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         # Many ".json" corpora are really JSON Lines; one object per line is the tell.
         if looks_like_lines:
             yield from _iter_json_lines(path, data)
             return
+        if isinstance(exc, RecursionError):
+            raise DataError(
+                f"corpus {path} nests deeper than Python's parser goes; rows may nest at most "
+                f"{MAX_ROW_DEPTH} levels (as JSON Lines, such a row is skipped and counted)"
+            ) from None
         raise DataError(
             f"corpus {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
             f"{exc.msg}); expected a list of rows or JSON Lines"
@@ -214,7 +269,7 @@ def _read_json_file(path: Path) -> Iterator[RawRow]:
     if not isinstance(value, list):
         raise DataError(f"corpus {path}: expected a JSON list of rows, got {type(value).__name__}")
     for i, row in enumerate(value, start=1):
-        yield RawRow(where=f"{path} row {i}", value=row)
+        yield _checked(f"{path} row {i}", row)
 
 
 def _read_parquet(path: Path) -> Iterator[RawRow]:
@@ -227,7 +282,7 @@ def _read_parquet(path: Path) -> Iterator[RawRow]:
     except Exception as exc:  # pyarrow raises ArrowInvalid / OSError variants
         raise DataError(f"cannot read parquet corpus {path}: {exc}") from exc
     for i, row in enumerate(rows, start=1):
-        yield RawRow(where=f"{path} row {i}", value=row)
+        yield _checked(f"{path} row {i}", row)
 
 
 def _read_hub(source: CorpusSource) -> Iterator[RawRow]:
@@ -243,7 +298,7 @@ def _read_hub(source: CorpusSource) -> Iterator[RawRow]:
             "misspelled? Pass a local .json/.jsonl/.parquet file, or --data synthetic"
         ) from exc
     for i, row in enumerate(ds, start=1):
-        yield RawRow(where=f"hub dataset {source.name} row {i}", value=row)
+        yield _checked(f"hub dataset {source.name} row {i}", row)
 
 
 def read_rows(source: CorpusSource) -> list[RawRow]:

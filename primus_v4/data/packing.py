@@ -16,6 +16,9 @@ from collections.abc import Callable
 import numpy as np
 
 ALGORITHMS = ("ffd", "bfd")
+# Upper bound of seq_length: 4x the 1M-token context of the V4 releases. The BFD tree and every
+# micro-batch are this long, so a typo (10**12) fails in the config, before any allocation.
+MAX_SEQ_LENGTH = 1 << 22
 # The progress callback fires once per this many placed samples (cheap; no per-item call).
 _PROGRESS_EVERY = 8192
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from primus_v4.data import cache, chat_format, holdout
+from primus_v4.data import cache, chat_format, holdout, special_text
 from primus_v4.data.corpus import CorpusSource, read_rows, resolve_source
 from primus_v4.data.mixing import SourceSpec, integral, parse_sources, weighted_samples
 from primus_v4.data.packed_corpus import PackedCorpus
-from primus_v4.data.packing import ALGORITHMS, pack, segment_cap
+from primus_v4.data.packing import ALGORITHMS, MAX_SEQ_LENGTH, pack, segment_cap
 from primus_v4.data.templates import BAD_EXAMPLES, CHAT_MODES, FORMATS, TEMPLATE_ID, render
 from primus_v4.data.tokenizer import (
     TextTokenizer,
@@ -80,10 +80,16 @@ class PackSpec:
     split: str = "all"  # all | train (rows not held out) | eval (the held-out rows)
     lock_timeout_s: float = 600.0  # max wait for another builder; keep below collective timeout
     knobs: str = "cli"  # how messages name the settings: "cli" (pack's flags) or "config" (data.*)
+    special_tokens_in_text: str = "warn"  # keep | warn | error (special_text.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.seq_length, int) or self.seq_length < 2:
             raise DataError(f"seq_length must be an integer >= 2, got {self.seq_length!r}")
+        if self.seq_length > MAX_SEQ_LENGTH:
+            raise DataError(
+                f"{self.knob('seq_length')}={self.seq_length} is above its bound "
+                f"{MAX_SEQ_LENGTH} (4x the 1M-token context of the V4 releases)"
+            )
         formats = [self.format] + [s.format for s in self.sources() if s.format is not None]
         for name, value, allowed in (
             *(("format", f, FORMATS) for f in formats),
@@ -92,6 +98,7 @@ class PackSpec:
             ("algorithm", self.algorithm, ALGORITHMS),
             ("overlong", self.overlong, OVERLONG),
             ("split", self.split, holdout.SPLITS),
+            ("special_tokens_in_text", self.special_tokens_in_text, special_text.POLICIES),
         ):
             if value not in allowed:
                 raise DataError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
@@ -207,7 +214,9 @@ class _Table:
     info: list[dict[str, Any]] = field(default_factory=list)  # per source, for the stats
 
 
-def _source_info(s: SourceSpec, src: CorpusSource, r: Any, row_offset: int) -> dict[str, Any]:
+def _source_info(
+    s: SourceSpec, src: CorpusSource, r: Any, row_offset: int, special: Any
+) -> dict[str, Any]:
     return {
         "path": src.describe(),
         "format": r.format,
@@ -217,6 +226,7 @@ def _source_info(s: SourceSpec, src: CorpusSource, r: Any, row_offset: int) -> d
         "bad_rows": r.bad_rows,
         "bad_examples": r.bad_examples,
         "chat_modes": r.modes,
+        "special_tokens_in_text": special.as_stats(),
     }
 
 
@@ -230,6 +240,10 @@ def _render_sources(
         if _is_split(spec):  # held out before weighting and packing: eval rows never train
             fraction, where = spec.holdout_fraction, src.describe()
             rows = holdout.select(rows, fraction=fraction, split=spec.split, where=where)
+        special = special_text.count(rows, special_text.SpecialTextFinder(tokenizer.added_texts))
+        special_text.apply_policy(special.as_stats(), spec.special_tokens_in_text,
+                                  where=src.describe(),
+                                  knob=spec.knob("special_tokens_in_text"))  # fmt: skip
         r = render(
             rows,
             tokenizer,
@@ -256,7 +270,7 @@ def _render_sources(
             ("src", np.full(len(pick), k, dtype=np.int64)),
         ):
             parts[name].append(value)
-        info.append(_source_info(s, src, r, rows_before))
+        info.append(_source_info(s, src, r, rows_before, special))
         tokens_before += len(r.tokens)
         rows_before += r.num_rows
     cat = {name: np.concatenate(values) for name, values in parts.items()}
@@ -410,17 +424,23 @@ def _build(
         chat_modes=dict(sorted(modes.items())),
         chat_format=spec.resolved_chat_format(tokenizer_dir),
         sources=table.info,
+        special_tokens_in_text={
+            k: sum(i["special_tokens_in_text"][k] for i in table.info)
+            for k in ("rows", "occurrences")
+        },
     )
     manifest = {"pad_id": tokenizer.special.pad, "stats": stats}
     return arrays, manifest
 
 
-def _try_load(entry: Path, key: str, *, quiet: bool = False) -> PackedCorpus | None:
+def _try_load(
+    entry: Path, key: str, fields: dict[str, Any], *, quiet: bool = False
+) -> PackedCorpus | None:
     """The valid entry, or None (an invalid one is reported, unless `quiet`: already said)."""
     if not entry.exists():
         return None
     try:
-        manifest = cache.verify(entry, key)
+        manifest = cache.verify(entry, key, fields)
     except cache.CacheInvalid as exc:
         if not quiet:
             log.warning("pack cache entry is invalid, rebuilding it: %s", exc)
@@ -472,6 +492,10 @@ def _check_strict(spec: PackSpec, corpus: PackedCorpus, key: str) -> None:
 
 def _hit(spec: PackSpec, corpus: PackedCorpus, key: str, t0: float) -> PackedCorpus:
     _check_strict(spec, corpus, key)
+    for source in corpus.stats.get("sources", []):  # said at build time; said again on a hit
+        special_text.apply_policy(source.get("special_tokens_in_text", {}),
+                                  spec.special_tokens_in_text, where=source["path"],
+                                  knob=spec.knob("special_tokens_in_text"))  # fmt: skip
     return _finish(corpus, key=key, hit=True, build_s=0.0, t0=t0)
 
 
@@ -497,19 +521,22 @@ def build_or_load(spec: PackSpec, *, progress: bool | None = None) -> PackedCorp
     key = cache.cache_key(fields)
     cache_dir = spec.resolved_cache_dir()
     entry = cache.entry_dir(cache_dir, key)
+    cache.require_private(cache_dir, spec.knob("cache_dir"))  # before anything in it is read
 
-    corpus = _try_load(entry, key)
+    corpus = _try_load(entry, key, fields)
     if corpus is not None:
         return _hit(spec, corpus, key, t0)
 
     _require_writable(spec, cache_dir, "cache_dir")  # before a build that could not be kept
     lock_dir = spec.resolved_lock_dir()
+    cache.require_private(lock_dir, spec.knob("lock_dir"), "lock")
     _require_writable(spec, lock_dir, "lock_dir")
     lock = cache.lock_path(lock_dir, cache_dir, key)
     was_there = entry.exists()
     with cache.node_lock(lock, timeout_s=spec.lock_timeout_s, key=key,
                          timeout_knob=spec.knob("lock_timeout_s")):  # fmt: skip
-        corpus = _try_load(entry, key, quiet=was_there)  # built by the process we waited for
+        # built by the process we waited for
+        corpus = _try_load(entry, key, fields, quiet=was_there)
         if corpus is not None:
             return _hit(spec, corpus, key, t0)
         log.info("pack cache MISS key=%s: building %s into %s", key, spec.describe(), cache_dir)

@@ -40,6 +40,9 @@ BAD_EXAMPLES = 5
 # Why a row is skipped (stats "bad_rows" keys).
 BAD_REASONS = {
     "not_json": "not valid JSON",
+    "too_large": "above the row-size bound (corpus.MAX_ROW_BYTES)",
+    "too_deep": "nested deeper than the bound (corpus.MAX_ROW_DEPTH)",
+    "bad_text": "text no tokenizer takes (a lone UTF-16 surrogate)",
     "not_an_object": "not a JSON object",
     "missing_field": "missing a required field",
     "bad_field_type": "a field has the wrong type",
@@ -169,7 +172,7 @@ def _collect(
     for index, row in enumerate(rows):
         try:
             if row.value is NOT_JSON:
-                raise BadRow("not_json", f"not valid JSON ({row.error})")
+                raise BadRow(row.reason, row.error)
             mode, samples = row_samples(row.value, shape, chat_mode, fmt)
         except BadRow as exc:
             if strict:

@@ -171,6 +171,12 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    @property
+    def added_texts(self) -> list[str]:
+        """Every added token's text: matched before BPE, so such text anywhere in a sample
+        encodes as that token's id."""
+        return [t.content for t in self._tok.get_added_tokens_decoder().values()]
+
     def encode_texts(
         self, texts: Sequence[str], *, on_progress: Callable[[int], None] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:

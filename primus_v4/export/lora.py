@@ -15,15 +15,14 @@ Adapter names are the model's (models/deepseek_v4/lora.py): `<linear>.lora_A` [k
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from primus_v4.models import spec_of
+from primus_v4.training.checkpoint import safe_dcp
 
 ADAPTER_SUFFIXES = ("lora_A", "lora_B", "gate_A", "gate_B", "up_A", "up_B", "down_A", "down_B")
 
@@ -89,9 +88,7 @@ def load_group(checkpoint: Path, names: list[str], stored: dict) -> dict[str, to
     """`names` of a DCP checkpoint's model state (`stored`: name -> (shape, dtype))."""
     state = {n: torch.empty(stored[n][0], dtype=stored[n][1]) for n in names}
     if state:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # DCP's no_dist notice
-            dcp.load({"model": state}, checkpoint_id=checkpoint, no_dist=True)
+        safe_dcp.load({"model": state}, checkpoint, no_dist=True)
     return state
 
 

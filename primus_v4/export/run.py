@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from primus_v4.checkpoint_formats.sharded import ExportDtype, WriteSummary, tokenizer_files
 from primus_v4.config import RunConfig, load_config
@@ -40,7 +39,7 @@ from primus_v4.export.peft import (
 )
 from primus_v4.log import get_logger
 from primus_v4.models import release_spec, spec_of
-from primus_v4.training.checkpoint import integrity
+from primus_v4.training.checkpoint import integrity, safe_dcp
 from primus_v4.training.checkpoint.lifecycle import CONFIG_FILE, MODEL_CONFIG_FILE
 from primus_v4.training.checkpoint.store import check_layout, step_dir
 
@@ -167,7 +166,7 @@ def _stored_model_tensors(checkpoint: Path) -> dict[str, tuple[torch.Size, torch
     """Our tensor name -> (global shape, dtype) as the DCP metadata records them (after the
     checkpoint's model layout is checked to be this version's)."""
     check_layout(checkpoint)
-    meta = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    meta = safe_dcp.read_metadata(checkpoint).state_dict_metadata
     out = {}
     for key, m in meta.items():
         if key.startswith(MODEL_PREFIX) and hasattr(m, "size"):

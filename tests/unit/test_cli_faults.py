@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "training"))
+import cli_faults_trust  # noqa: F401  (registers the cases of hostile and oversized input)
 from cli_fault_runner import (
     CASES,
     GOOD_ROW,

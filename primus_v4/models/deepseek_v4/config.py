@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 with warnings.catch_warnings():
     # megatron-core warns at import that Transformer Engine / Apex are absent; the torch
@@ -25,6 +27,36 @@ from primus_v4.errors import ConfigError
 # Shipped as package data (pyproject [tool.setuptools.package-data]): wheels carry them too.
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"  # models.PRESET_DIR
 LAYER_KINDS = {0: "dense", 4: "csa", 128: "hca"}
+
+# Upper bound of every size: about 16x the largest release (V4-Pro: 61 layers, hidden 7168,
+# 128 heads, 384 experts, vocab 129280), so no real model meets one, while a typo or a hostile
+# config.json (10**6 layers) fails here, before anything per layer, row or expert is allocated.
+SIZE_BOUNDS = {
+    "num_layers": 1024, "hidden_size": 1 << 17, "vocab_size": 1 << 22,
+    "num_attention_heads": 2048, "kv_channels": 1 << 13, "q_lora_rank": 1 << 15,
+    "o_groups": 256, "o_lora_rank": 1 << 15, "ffn_hidden_size": 1 << 19,
+    "num_moe_experts": 1 << 13, "moe_router_topk": 1 << 13, "moe_ffn_hidden_size": 1 << 17,
+    "moe_shared_expert_intermediate_size": 1 << 17, "qk_pos_emb_head_dim": 1 << 13,
+    "index_n_heads": 1024, "index_head_dim": 1 << 13, "index_topk": 1 << 20,
+    "index_topk_chunk": 1 << 20, "attn_sliding_window": 1 << 20, "hc_mult": 64,
+    "hc_sinkhorn_iters": 1 << 12, "num_hash_layers": 1024, "mtp_num_layers": 64,
+    "ce_chunk_size": 1 << 22, "original_max_position_embeddings": 1 << 26,
+}  # fmt: skip
+
+
+def check_sizes(
+    values: Mapping[str, Any], *, source: str, names: Mapping[str, str] | None = None
+) -> None:
+    """Refuse a size above its bound (`SIZE_BOUNDS`), naming it as `names` maps our field
+    names (a release's config.json keys), before any of them is used."""
+    for field_name, bound in SIZE_BOUNDS.items():
+        value = values.get(field_name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > bound:
+            name = (names or {}).get(field_name, field_name)
+            raise ConfigError(
+                f"{source}: {name}={value} is above its bound {bound} (about 16x the largest "
+                "DeepSeek-V4 release; a size this large is a typo or not this model)"
+            )
 
 
 @dataclass(kw_only=True)
@@ -98,6 +130,7 @@ class DeepseekV4Config(TransformerConfig):
     """Reserved; kept False."""
 
     def __post_init__(self) -> None:
+        check_sizes(vars(self), source="model config")
         # Selective recompute names this model's parts (models/common/recompute.py);
         # Megatron's checks of its own module list do not apply to them.
         modules, self.recompute_modules = self.recompute_modules, []
@@ -189,4 +222,5 @@ class DeepseekV4Config(TransformerConfig):
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"{source}: unknown model config keys {unknown}")
+        check_sizes(values, source=source)
         return cls(**values)

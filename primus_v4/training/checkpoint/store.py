@@ -65,7 +65,7 @@ from primus_v4.errors import (
     over_size_limit,
 )
 from primus_v4.log import get_logger
-from primus_v4.training.checkpoint import integrity
+from primus_v4.training.checkpoint import integrity, safe_dcp
 from primus_v4.training.checkpoint.integrity import COMPLETE, LATEST, MODEL_LAYOUT, newest_intact
 from primus_v4.training.optim.zero import ShardedAdamW
 from primus_v4.training.optim.zero_state import load_optimizer_state, optimizer_state
@@ -448,7 +448,7 @@ def load_latest(
     check_layout(path)
     state = _train_state(0, model, optimizer, scheduler, data)
     key = f"rank{_rank()}"
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = safe_dcp.read_metadata(path).state_dict_metadata
     if not any(k.startswith(f"{key}.") for k in saved):
         # Saved by fewer ranks (a different DP size): this rank keeps its own RNG streams and
         # data position; the trainer's data position is the step itself.
@@ -456,8 +456,9 @@ def load_latest(
                     _rank(), _saved_world(path))  # fmt: skip
         del state[key]
     try:
-        with _single_process_ok():
-            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        safe_dcp.load(state, path, no_dist=not dist.is_initialized())
+    except safe_dcp.RefusedObject:
+        raise
     except (Exception, CheckpointException) as err:  # name the checkpoint and the likely cause
         raise CheckpointError(
             f"cannot load checkpoint {path} on rank {_rank()}: {err}. It was written by "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from primus_v4.errors import ConfigError
-from primus_v4.models.deepseek_v4.config import DeepseekV4Config
+from primus_v4.models.deepseek_v4.config import DeepseekV4Config, check_sizes
 
 # release key -> our field (values copied as they are)
 FIELDS = {
@@ -241,6 +241,9 @@ def config_from_release(d: dict, *, source: str = "config.json", **overrides) ->
     transformers-saved config.json (its own keys) is translated first (`hf_to_release`).
 
     `overrides` are our own training fields (e.g. recompute) applied on top."""
+    ours_to_release = {ours: rel for rel, ours in FIELDS.items()}
+    check_sizes({ours: d.get(rel) for rel, ours in FIELDS.items()}, source=source,
+                names=ours_to_release)  # fmt: skip
     if is_hf_config(d):
         d = hf_to_release(d, source=source)
     known = {"compress_ratios", "rope_scaling", *DSPARK_KEYS}

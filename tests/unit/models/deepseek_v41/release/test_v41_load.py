@@ -13,9 +13,8 @@ from primus_v4.checkpoint_formats.fp8_fp4 import FP4_VALUES
 from primus_v4.checkpoint_formats.sharded import CheckpointReader
 from primus_v4.errors import CheckpointFormatError
 from primus_v4.models.deepseek_v41.model import DeepseekV41Model
-from primus_v4.models.deepseek_v41.release import load
+from primus_v4.models.deepseek_v41.release import load, tensors
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as adapter
-from primus_v4.models.deepseek_v41.release import tensors
 
 
 @pytest.fixture
