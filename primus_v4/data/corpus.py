@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,6 +224,55 @@ def _iter_json_lines(path: Path, data: bytes) -> Iterator[RawRow]:
         yield _checked(where, value)
 
 
+_JSON_MARKS = re.compile(r'[][{}",\\]')
+
+
+def _array_items(text: str) -> Iterator[str]:
+    """The texts of the top-level items of the JSON array `text`, found by scanning brackets
+    and strings (no recursion: a row nested deeper than the parser goes is still one item)."""
+    depth, in_string, skip = 0, False, -1
+    item_start = text.index("[") + 1
+    for mark in _JSON_MARKS.finditer(text, item_start):
+        i, c = mark.start(), mark.group()
+        if i <= skip:
+            continue
+        if in_string:
+            skip = i + 1 if c == "\\" else skip
+            in_string = c != '"'
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+        elif c in "]}" and depth:
+            depth -= 1
+        elif c in "]}" or not depth:  # a comma between items, or the array's end
+            if text[item_start:i].strip():
+                yield text[item_start:i]
+            if c != ",":
+                return
+            item_start = i + 1
+
+
+def _iter_json_items(path: Path, text: str) -> Iterator[RawRow]:
+    """The rows of a JSON list one by one, each parsed alone, so a row nested too deep or not
+    valid JSON is one bad row (with its row number) rather than the end of the file."""
+    for i, item in enumerate(_array_items(text), start=1):
+        where = f"{path} row {i}"
+        if len(item) > MAX_ROW_BYTES:
+            detail = f"{len(item)} characters, above the row bound of {MAX_ROW_BYTES >> 20} MiB"
+            yield RawRow(where=where, value=NOT_JSON, reason="too_large", error=detail)
+            continue
+        try:
+            value = json.loads(item)
+        except json.JSONDecodeError as exc:
+            yield RawRow(where=where, value=NOT_JSON, error=f"not valid JSON ({exc.msg})")
+        except RecursionError:
+            detail = f"nested deeper than {MAX_ROW_DEPTH} levels"
+            yield RawRow(where=where, value=NOT_JSON, reason="too_deep", error=detail)
+        else:
+            yield _checked(where, value)
+
+
 def _not_utf8(path: Path, data: bytes, exc: UnicodeDecodeError) -> DataError:
     line = data.count(b"\n", 0, exc.start) + 1
     column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
@@ -255,11 +305,9 @@ def _read_json_file(path: Path) -> Iterator[RawRow]:
         if looks_like_lines:
             yield from _iter_json_lines(path, data)
             return
-        if isinstance(exc, RecursionError):
-            raise DataError(
-                f"corpus {path} nests deeper than Python's parser goes; rows may nest at most "
-                f"{MAX_ROW_DEPTH} levels (as JSON Lines, such a row is skipped and counted)"
-            ) from None
+        if isinstance(exc, RecursionError) and text.lstrip().startswith("["):
+            yield from _iter_json_items(path, text)  # a row nested too deep is one bad row
+            return
         raise DataError(
             f"corpus {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
             f"{exc.msg}); expected a list of rows or JSON Lines"

@@ -173,3 +173,21 @@ def test_special_token_text_is_counted_and_follows_its_policy(tmp_path: Path) ->
     # on a cache hit too, before anything is returned
     with pytest.raises(DataError, match=r"1 rows of .*rows\.jsonl hold special-token text"):
         build_or_load(_spec(tmp_path, data, special_tokens_in_text="error"))
+
+
+def test_a_row_nested_too_deep_in_a_json_list_is_one_bad_row(tmp_path: Path) -> None:
+    deep = "[" * 200_000 + "]" * 200_000
+    tricky = {**GOOD, "output": 'brackets "[{" and \\ in text, ]}'}
+    path = tmp_path / "rows.json"
+    path.write_text(
+        f'[{json.dumps(GOOD)}, {{"instruction": "a", "output": "b", "metadata": {deep}}},\n'
+        f" {json.dumps(tricky)}, {{not json}}]",
+        encoding="utf-8",
+    )
+    stats = build_or_load(_spec(tmp_path, str(path))).stats
+    assert stats["bad_rows"] == {"not_json": 1, "too_deep": 1}
+    assert stats["num_samples"] == 2
+    where = [e["where"].rsplit(" ", 2)[1:] for e in stats["bad_row_examples"]]
+    assert where == [["row", "2"], ["row", "4"]]
+    with pytest.raises(DataError, match=r"rows\.json row 2: nested deeper than 100 levels"):
+        build_or_load(_spec(tmp_path, str(path), strict=True, cache_dir=tmp_path / "c2"))
