@@ -20,6 +20,12 @@ NNODES="${NNODES:-3}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 MASTER_PORT="${MASTER_PORT:-29710}"
 primus_check_rendezvous # needs MASTER_ADDR and NODE_RANK when NNODES > 1
+# Elastic (run_scripts/lib/launch.sh): PRIMUS_MAX_RESTARTS=N > 0 launches with torchrun's c10d
+# rendezvous; a failed worker restarts the group, which resumes the newest checkpoint.
+PRIMUS_MAX_RESTARTS="${PRIMUS_MAX_RESTARTS:-0}"
+# A collective stuck this long fails (and restarts the group): keep it under the scheduler's
+# limits. Empty = the config's parallel.collective_timeout_s (1800).
+PRIMUS_COLLECTIVE_TIMEOUT_S="${PRIMUS_COLLECTIVE_TIMEOUT_S:-}"
 
 # --- networking (RCCL/NCCL and gloo); empty = library autodetection ------------------------
 SOCKET_IFNAME="${SOCKET_IFNAME:-}"         # e.g. ens50f0: NIC for bootstrap, gloo and sockets
@@ -134,6 +140,7 @@ primus_add_set parallel.cp "${PRIMUS_CP}"
 primus_add_set parallel.ep "${PRIMUS_EP}"
 primus_add_set parallel.etp "${PRIMUS_ETP}"
 primus_add_set_if parallel.pp_layout "${PRIMUS_PP_LAYOUT}"
+primus_add_set_if parallel.collective_timeout_s "${PRIMUS_COLLECTIVE_TIMEOUT_S}"
 primus_add_set optim.offload_fraction "${PRIMUS_OPTIMIZER_OFFLOAD_FRACTION}"
 primus_add_set optim.grad_accum_dtype "${PRIMUS_GRAD_ACCUM_DTYPE}"
 primus_add_set model.recompute "${PRIMUS_RECOMPUTE}"

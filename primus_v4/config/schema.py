@@ -243,11 +243,22 @@ class ParallelConfig:
     pp_layout: str | None = None
     """Megatron-style stage layout (`E` embedding, `t` layer, `m` MTP, `L` loss, `|` stage
     boundary, `t*14` repeats), e.g. `Et*14|t*14|t*15mL`; None = an even split."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective may wait for its peers before it fails (every process group's
+    timeout). A hung collective then ends the worker with an error, which torchrun's elastic
+    agent turns into a restart from the newest checkpoint; keep it well under the scheduler's
+    own limits (job time, liveness probes) and above the slowest legitimate wait (a checkpoint
+    save, the first step's compilation)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "etp"):
             value = getattr(self, name)
             _require(value >= 1, f"parallel.{name}", f"must be >= 1, got {value}")
+        _require(
+            self.collective_timeout_s > 0,
+            "parallel.collective_timeout_s",
+            f"must be > 0 seconds, got {self.collective_timeout_s}",
+        )
         _require(
             self.tp == 1,
             "parallel.tp",

@@ -176,7 +176,7 @@ def init_parallel(
             context_parallel_size=dims.cp,
             expert_model_parallel_size=dims.ep,
             expert_tensor_parallel_size=dims.etp,
-            distributed_timeout_minutes=max(1, round(timeout_minutes)),
+            distributed_timeout_minutes=timeout_minutes,  # a timedelta's minutes: any float
             order="tp-cp-ep-dp-pp",
             create_gloo_process_groups=False,
         )

@@ -6,7 +6,10 @@ the process dies) plus who holds it (host, pid, the process's start time) for th
 second run prints. An flock that is free but names a process of this host that no longer runs is
 a stale lock (a run killed with -9): it is taken over, and said so. One that names a process on
 another host is refused unless that host's flock says otherwise: whether it still runs cannot be
-checked from here, so the message names the file to delete when that run is gone.
+checked from here, so the message names the file to delete when that run is gone. Under
+torchrun's elastic agent a lock taken by an earlier attempt of the same job (same rendezvous id,
+fewer restarts) is taken over wherever it was held, its flock included: the agent restarts a
+worker group only after it stopped the previous one, and rank 0 may now run on another node.
 
 Another run's outputs are an output.dir holding a config.yaml or a metrics.jsonl: refused unless
 this run continues that one (same checkpoint.dir, checkpoint.resume on) or
@@ -65,10 +68,34 @@ def _start_ticks(pid: int) -> int | None:
         return None
 
 
+def _attempt() -> dict[str, Any]:
+    """The elastic job this process belongs to and its attempt (SLURM requeues, then torchrun's
+    restarts of the worker group); empty outside a torchrun rendezvous with an id."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if job in ("", "none"):
+        return {}
+    counts = (os.environ.get(k, "0") or "0" for k in ("SLURM_RESTART_COUNT",
+                                                      "TORCHELASTIC_RESTART_COUNT"))  # fmt: skip
+    return {"job": job, "attempt": [int(c) if c.isdigit() else 0 for c in counts]}
+
+
+def _earlier_attempt(holder: dict[str, Any] | None) -> bool:
+    """Whether the holder is an earlier attempt of this process's elastic job."""
+    mine = _attempt()
+    theirs = (holder or {}).get("attempt")
+    return (
+        bool(mine)
+        and holder is not None
+        and holder.get("job") == mine["job"]
+        and isinstance(theirs, list)
+        and theirs < mine["attempt"]
+    )
+
+
 def _me() -> dict[str, Any]:
     pid = os.getpid()
     return {"host": socket.gethostname(), "pid": pid, "start": _start_ticks(pid),
-            "since": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"), **_attempt()}  # fmt: skip
 
 
 def _running(holder: dict[str, Any]) -> bool:
@@ -119,6 +146,9 @@ def _problem(what: str, directory: Path, fd: int) -> tuple[PrimusError | None, s
     holder = _read_holder(fd)
     if holder is None:
         return None, None
+    if _earlier_attempt(holder):
+        return None, (f"{what} {directory}: took over the lock of {_who(holder)}, an earlier "
+                      f"attempt of job {holder['job']} (restarted by torchrun)")  # fmt: skip
     if holder.get("host") not in (None, socket.gethostname()):
         return _in_use(what, directory, holder), None
     if holder and _running(holder):  # a filesystem whose flock does not reach the holder
@@ -137,6 +167,16 @@ def _open_locked(what: str, path: Path) -> int | None:
             os.close(fd)
             raise
         holder = _read_holder(fd)
+        if _earlier_attempt(holder):
+            # Held by the previous attempt's process on a node that is gone (a shared
+            # filesystem keeps its flock until the lease ends): start a fresh lock file.
+            log.warning("%s %s: breaking the lock of %s, an earlier attempt of job %s", what,
+                        path.parent, _who(holder or {}), (holder or {}).get("job"))  # fmt: skip
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    path.unlink()
+            os.close(fd)
+            return None
         os.close(fd)
         raise _in_use(what, path.parent, holder) from None
     try:
@@ -186,7 +226,8 @@ def lock_problem(what: str, directory: Path) -> PrimusError | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            return _in_use(what, directory, _read_holder(fd))
+            holder = _read_holder(fd)
+            return None if _earlier_attempt(holder) else _in_use(what, directory, holder)
         return _problem(what, directory, fd)[0]
     finally:
         os.close(fd)

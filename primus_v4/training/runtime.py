@@ -65,13 +65,15 @@ def _local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_runtime(sizes: ParallelDims) -> Runtime:
-    """Start (or join) the process groups described by the launcher's environment."""
+def init_runtime(sizes: ParallelDims, *, collective_timeout_s: float = 1800.0) -> Runtime:
+    """Start (or join) the process groups described by the launcher's environment; every
+    collective fails after `collective_timeout_s` (parallel.collective_timeout_s) instead of
+    hanging."""
     if sizes.world == 1:
         return Runtime(ctx=ParallelContext.single(_local_device()), sizes=sizes)
     import torch.distributed as dist
 
     owns = not dist.is_initialized()
-    ctx = init_parallel(sizes)
+    ctx = init_parallel(sizes, timeout_minutes=collective_timeout_s / 60)
     log.info("parallel layout: %s", ctx.describe())
     return Runtime(ctx=ctx, sizes=sizes, owns_process_group=owns)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -100,6 +101,20 @@ def _logging_around(bar: Any) -> Iterator[None]:
         yield
 
 
+def _log_attempt(start_step: int, root: Path | None) -> None:
+    """After a restart by torchrun's elastic agent (it counts its restarts of the worker group),
+    say which one and the step it resumed: the newest intact checkpoint's, or 0 without one."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts == 0:
+        return
+    where = (
+        f"resumed at step {start_step} from {root}"
+        if start_step
+        else "no checkpoint to resume: starting again at step 0"
+    )
+    log.warning("elastic restart %d (TORCHELASTIC_RESTART_COUNT): %s", restarts, where)
+
+
 @dataclass
 class TrainResult:
     rows: list[StepMetrics]
@@ -135,7 +150,9 @@ class Trainer:
         self.run = run
         self.cfg = run.cfg
         self.spec = spec_of(run.model)
-        self.runtime = runtime or init_runtime(run.sizes)
+        self.runtime = runtime or init_runtime(
+            run.sizes, collective_timeout_s=self.cfg.parallel.collective_timeout_s
+        )
         # Which checkpoint this run continues, decided (and verified) before any work: a refused
         # resume costs seconds and writes nothing.
         self.checkpoints = self._checkpoints()
@@ -339,6 +356,7 @@ class Trainer:
             write_resolved(self.cfg, out_dir)
         if self.checkpoints is not None:
             self.start_step = self.checkpoints.load_latest(**self._state()) or 0
+        _log_attempt(self.start_step, self.checkpoints.root if self.checkpoints else None)
         if main and self.start_step > 0:  # rows after the resumed step are redone: drop them
             keep_rows_through(out_dir / "metrics.jsonl", self.start_step)
         tensorboard = out_dir / "tensorboard" if self.cfg.output.tensorboard else None

@@ -16,6 +16,9 @@ PRIMUS_PYTHON="${PRIMUS_PYTHON:-python3}"
 PRIMUS_TORCHRUN="${PRIMUS_TORCHRUN:-}"
 # The --set overrides handed to the trainer, built up by primus_add_set.
 PRIMUS_SETS=()
+# The rendezvous flags, elastic restarts, the scheduler mappings and the per-node pack build.
+# shellcheck source=launch.sh
+source "${PRIMUS_REPO_ROOT}/run_scripts/lib/launch.sh"
 
 # Exit statuses, as primus-v4's (primus_v4/errors.py ExitCode): 3 a bad knob (config), 4 a
 # tokenizer (data), 7 a release directory, 70 a failure of this script itself; a failed
@@ -200,10 +203,9 @@ primus_validate() {
 primus_build_command() {
   local launcher=("${PRIMUS_PYTHON}" -m torch.distributed.run)
   [[ -n "${PRIMUS_TORCHRUN}" ]] && launcher=("${PRIMUS_TORCHRUN}")
+  primus_torchrun_args
   PRIMUS_COMMAND=(
-    "${launcher[@]}"
-    --nnodes "${NNODES}" --node_rank "${NODE_RANK}" --nproc_per_node "${GPUS_PER_NODE}"
-    --master_addr "${MASTER_ADDR}" --master_port "${MASTER_PORT}"
+    "${launcher[@]}" "${PRIMUS_TORCHRUN_ARGS[@]}"
     -m primus_v4 train --config "${PRIMUS_CONFIG}" "${PRIMUS_SETS[@]}"
   )
 }
@@ -246,6 +248,7 @@ primus_run() {
   mkdir -p "$(dirname "${PRIMUS_NODE_LOG}")"
   primus_log "node ${NODE_RANK}/${NNODES}: logging to ${PRIMUS_NODE_LOG}"
   exec > >(tee -a "${PRIMUS_NODE_LOG}") 2>&1
+  primus_prepack
   cd "${PRIMUS_REPO_ROOT}" || exit 1
   exec "${PRIMUS_COMMAND[@]}"
 }

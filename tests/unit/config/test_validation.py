@@ -35,6 +35,7 @@ def test_thd_needs_micro_batch_one_but_bshd_does_not() -> None:
         ("data.seq_length=4", "data.seq_length: must be >= 8"),
         ("parallel.pp_layout='Et|tL'", "has 2 stages but parallel.pp is 1"),
         ("checkpoint.interval=-1", "checkpoint.interval"),
+        ("parallel.collective_timeout_s=0", "parallel.collective_timeout_s: must be > 0 seconds"),
     ],
 )
 def test_field_validation(item: str, pattern: str) -> None:

@@ -4,6 +4,7 @@ host is refused with the file to delete; another run's outputs need output.overw
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -62,6 +63,37 @@ def test_a_stale_lock_of_this_host_is_taken_over_and_one_of_another_host_refused
         with pytest.raises(PathError, match=rf"pid 4242 on host node-7 .* delete {lock}"):
             attempt()
     assert lock.is_file()  # never taken from a host that cannot be checked
+
+
+def test_an_earlier_elastic_attempt_of_the_same_job_is_taken_over_from_any_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun restarted the worker group (rank 0 may now run on another node): the previous
+    attempt's lock is taken over, even while its flock is still held; another job's is not."""
+    cfg = _cfg(tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "slurm-77")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    _plant(tmp_path / "run", host="node-7", pid=4242, since="then", job="slurm-77",
+           attempt=[0, 0])  # fmt: skip
+    lock = tmp_path / "ck" / run_dirs.LOCK_FILE
+    _plant(tmp_path / "ck", host="node-7", pid=4242, since="then", job="slurm-77", attempt=[0, 0])
+    held = os.open(lock, os.O_RDWR)  # the dead node's flock, as a shared filesystem keeps it
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        run_dirs.check(cfg)  # nothing to refuse
+        with captured_logs() as logs, run_dirs.claim(cfg):
+            mine = json.loads(lock.read_text())
+    finally:
+        os.close(held)
+    assert (mine["job"], mine["attempt"], mine["pid"]) == ("slurm-77", [0, 1], os.getpid())
+    assert any("breaking the lock of pid 4242 on host node-7" in m for m in logs), logs
+    assert any("an earlier attempt of job slurm-77" in m for m in logs), logs
+    # The same attempt, or another job, on a host that cannot be checked: refused as before.
+    for job, attempt in (("slurm-77", [0, 1]), ("slurm-78", [0, 0])):
+        _plant(tmp_path / "run", host="node-7", pid=4242, since="then", job=job, attempt=attempt)
+        with pytest.raises(PathError, match=r"pid 4242 on host node-7"):
+            run_dirs.check(cfg)
 
 
 def test_another_runs_outputs_need_overwrite_unless_resumed(tmp_path: Path) -> None:
