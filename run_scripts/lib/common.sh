@@ -63,6 +63,7 @@ primus_check_rendezvous() {
     [[ -n "${NODE_RANK:-}" ]] || primus_die "NODE_RANK is not set: a ${NNODES}-node run" \
       "needs this node's rank in [0, $((NNODES - 1))], e.g. NODE_RANK=0 on the MASTER_ADDR node"
   fi
+  primus_check_allocation
   NODE_RANK="${NODE_RANK:-0}"
   MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
   if ! [[ "${NODE_RANK}" =~ ^[0-9]+$ ]] || ((NODE_RANK >= NNODES)); then

@@ -6,6 +6,7 @@
 #                           PRIMUS_RDZV_ID (a knob you exported first wins)
 #   primus_torchrun_args    NNODES NODE_RANK GPUS_PER_NODE MASTER_ADDR MASTER_PORT + the elastic
 #                           knobs below -> PRIMUS_TORCHRUN_ARGS (torchrun's rendezvous flags)
+#   primus_check_allocation the recipe's NNODES is the allocation's (primus_check_rendezvous)
 #   primus_expand_hostlist  a SLURM node list (node[01-03],gpu7) -> one host per line
 #   primus_prepack          PRIMUS_PREPACK=1: build (or verify) this node's pack cache before
 #                           torchrun starts, with the trainer's own data config
@@ -85,9 +86,16 @@ primus_env_from_slurm() {
   else
     unset GPUS_PER_NODE # the recipe's default
   fi
-  # The recipe must run the allocation's node count: a one-node recipe on two nodes would
-  # start two independent runs writing one output dir.
   export PRIMUS_ALLOCATED_NODES="${NNODES}"
+}
+
+# primus_check_allocation: under a scheduler, the recipe runs the allocation's node count (a
+# one-node recipe on two nodes would start two independent runs writing one output dir).
+primus_check_allocation() {
+  if [[ -n "${PRIMUS_ALLOCATED_NODES:-}" && "${PRIMUS_ALLOCATED_NODES}" != "${NNODES}" ]]; then
+    primus_die "${PRIMUS_SCRIPT_NAME} runs NNODES=${NNODES} but the job has" \
+      "${PRIMUS_ALLOCATED_NODES} nodes; use a multi-node recipe or allocate ${NNODES}"
+  fi
 }
 
 # primus_torchrun_args: torchrun's rendezvous flags for this node as PRIMUS_TORCHRUN_ARGS (read
@@ -97,10 +105,6 @@ primus_torchrun_args() {
   PRIMUS_MAX_RESTARTS="${PRIMUS_MAX_RESTARTS:-0}"
   [[ "${PRIMUS_MAX_RESTARTS}" =~ ^[0-9]+$ ]] ||
     primus_die "PRIMUS_MAX_RESTARTS must be an integer >= 0, got '${PRIMUS_MAX_RESTARTS}'"
-  if [[ -n "${PRIMUS_ALLOCATED_NODES:-}" && "${PRIMUS_ALLOCATED_NODES}" != "${NNODES}" ]]; then
-    primus_die "${PRIMUS_SCRIPT_NAME} runs NNODES=${NNODES} but the job has" \
-      "${PRIMUS_ALLOCATED_NODES} nodes; use a multi-node recipe or allocate ${NNODES}"
-  fi
   local default_backend=static
   ((PRIMUS_MAX_RESTARTS > 0)) && default_backend=c10d
   PRIMUS_RDZV_BACKEND="${PRIMUS_RDZV_BACKEND:-${default_backend}}"
@@ -119,6 +123,9 @@ primus_torchrun_args() {
       ((PRIMUS_MIN_NODES <= NNODES)) ||
         primus_die "PRIMUS_MIN_NODES=${PRIMUS_MIN_NODES} is more than NNODES=${NNODES}"
       PRIMUS_RDZV_ID="${PRIMUS_RDZV_ID:-primus-v4-${MASTER_PORT}}"
+      # The agents' shared TCP store keeps the previous attempt's keys, and a restarted group
+      # then connects to dead ports (pytorch/pytorch#135712): one store per attempt instead.
+      export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
       # Ranks come from the rendezvous (torchrun ignores --node_rank here); node 0's address
       # hosts the rendezvous store, so losing that node ends the job.
       PRIMUS_TORCHRUN_ARGS=(

@@ -19,7 +19,8 @@ ALPACA_DEMO = REPO / "examples" / "data" / "alpaca_demo.json"
 # cannot change what a test sees.
 _KNOB = re.compile(
     r"^(PRIMUS_\w+|NNODES|NODE_RANK|MASTER_ADDR|MASTER_PORT|GPUS_PER_NODE|NPROC|MBS|GBS|"
-    r"TRAIN_STEPS|FUSED_\w+|V4_TOKENIZER|SOCKET_IFNAME|DRY_RUN|WORLD_SIZE|RANK|LOCAL_RANK)$"
+    r"TRAIN_STEPS|FUSED_\w+|V4_TOKENIZER|SOCKET_IFNAME|DRY_RUN|WORLD_SIZE|RANK|LOCAL_RANK|"
+    r"SLURM_\w+|TORCHELASTIC_\w+)$"
 )
 
 
@@ -42,9 +43,25 @@ class RecipeRun:
         return self.stdout.splitlines()[1]
 
 
-def run_recipe(script: str, tmp_path: Path, timeout: float = 120, **env: str) -> RecipeRun:
-    """`bash run_scripts/<script>` with DRY_RUN=1 (unless overridden) and node-local dirs in
-    tmp_path; the local corpus keeps the run offline."""
+def run_recipe(
+    script: str, tmp_path: Path, timeout: float = 120, args: tuple[str, ...] = (), **env: str
+) -> RecipeRun:
+    """`bash run_scripts/<script> [args]` with DRY_RUN=1 (unless overridden) and node-local dirs
+    in tmp_path; the local corpus keeps the run offline."""
+    proc = subprocess.run(
+        ["bash", str(SCRIPTS / script), *args],
+        cwd=tmp_path,
+        env=recipe_env(tmp_path, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return RecipeRun(proc.returncode, proc.stdout, proc.stderr)
+
+
+def recipe_env(tmp_path: Path, **env: str) -> dict[str, str]:
+    """The environment `run_recipe` gives a recipe: no knob inherited from the caller's shell,
+    DRY_RUN=1, node-local and output dirs in tmp_path, the offline demo corpus; then `env`."""
     base = {k: v for k, v in os.environ.items() if not _KNOB.match(k)}
     base.update(
         DRY_RUN="1",
@@ -56,15 +73,7 @@ def run_recipe(script: str, tmp_path: Path, timeout: float = 120, **env: str) ->
         PRIMUS_MEMORY_PLAN="0",  # builds the meta model (~10 s): one test asks for it
     )
     base.update(env)
-    proc = subprocess.run(
-        ["bash", str(SCRIPTS / script)],
-        cwd=tmp_path,
-        env=base,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return RecipeRun(proc.returncode, proc.stdout, proc.stderr)
+    return base
 
 
 def sparse_release(directory, cfg) -> None:

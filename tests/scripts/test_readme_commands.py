@@ -182,6 +182,8 @@ NOT_RUN = {
     "vllm serve": "an inference server (the export tests load the result in transformers)",
     "docker": "a container build (tests/scripts/test_script_lint.py lints the Dockerfile)",
     "primus-v4 inspect checkpoint": "reads the checkpoint the train command above it writes",
+    "sbatch": "submits to a SLURM cluster (tests/scripts/test_slurm_launch.py simulates one)",
+    "srun": "starts a SLURM job step (tests/scripts/test_slurm_launch.py simulates its tasks)",
 }
 
 
@@ -200,8 +202,8 @@ def _all_commands() -> list[tuple[str, list[str]]]:
 
 def _launch(words: list[str]) -> tuple[dict[str, str], str] | None:
     """A recipe launch (`VAR=value ... bash run_scripts/X.sh`): its environment and script."""
-    if "bash" not in words or not words[words.index("bash") + 1 :][:1]:
-        return None
+    if "bash" not in words or not words[words.index("bash") + 1 :][:1] or "srun" in words:
+        return None  # srun: a SLURM job step (NOT_RUN)
     at = words.index("bash")
     script = words[at + 1]
     if not script.startswith("run_scripts/"):

@@ -13,7 +13,8 @@ import pytest
 from recipe_runner import SCRIPTS
 
 RECIPES = sorted(SCRIPTS.glob("*.sh"))
-ALL_SHELL = [*RECIPES, *sorted((SCRIPTS / "lib").glob("*.sh"))]
+LAUNCHERS = sorted((SCRIPTS / "slurm").glob("*.sh"))
+ALL_SHELL = [*RECIPES, *LAUNCHERS, *sorted((SCRIPTS / "lib").glob("*.sh"))]
 # Assignments that are deliberately not knobs: run_local.sh is one node by definition.
 FIXED = {
     ("run_local.sh", "NNODES"),
@@ -37,7 +38,7 @@ def test_shellcheck_clean():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("script", RECIPES, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [*RECIPES, *LAUNCHERS], ids=lambda p: p.name)
 def test_strict_mode_and_header(script):
     lines = script.read_text().splitlines()
     assert lines[0] == "#!/usr/bin/env bash"
