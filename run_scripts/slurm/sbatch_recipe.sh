@@ -77,7 +77,10 @@ if [[ "${DRY_RUN:-0}" == "1" ]]; then
   done
   exit 0
 fi
-# One task per node; a node whose task fails does not take the others down at once: torchrun's
-# elastic agents re-form the group (PRIMUS_MAX_RESTARTS) or stop the job.
-exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 --export=ALL \
+# One task per node with all of the node's CPUs (torchrun's workers share them); a node whose
+# task fails does not take the others down at once: torchrun's elastic agents re-form the group
+# (PRIMUS_MAX_RESTARTS) or stop the job.
+cpus=()
+[[ -n "${SLURM_CPUS_ON_NODE:-}" ]] && cpus=(--cpus-per-task "${SLURM_CPUS_ON_NODE}")
+exec srun --ntasks-per-node=1 "${cpus[@]}" --kill-on-bad-exit=0 --export=ALL \
   bash "${PRIMUS_SLURM_DIR}/sbatch_recipe.sh" --task "${recipe}"

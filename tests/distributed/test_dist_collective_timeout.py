@@ -22,7 +22,7 @@ def _rank(rank: int, world: int) -> dict[str, tuple[float, str]]:
     runtime = init_runtime(ParallelDims(world=world), collective_timeout_s=TIMEOUT_S)
     waits: dict[str, tuple[float, str]] = {}
     if rank == 1:
-        time.sleep(4 * TIMEOUT_S)  # a hung peer: never enters the collectives below
+        time.sleep(3 * TIMEOUT_S)  # a hung peer: never enters the collectives below
         return waits
     for name, group in (("world", None), ("dp", runtime.ctx.dp.group)):
         start = time.monotonic()

@@ -41,47 +41,6 @@ def test_node_lists_expand_without_scontrol() -> None:
     assert "cannot expand" in bad.stderr and "scontrol" in bad.stderr
 
 
-def _slurm(nodes: int, node_id: int, gpus: int, job: str = "4242") -> dict[str, str]:
-    hosts = ["localhost", "127.0.0.1"][:nodes]  # two names of this machine: two "nodes"
-    return {"SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": ",".join(hosts),
-            "SLURM_NODEID": str(node_id), "SLURM_JOB_NUM_NODES": str(nodes),
-            "SLURM_GPUS_ON_NODE": str(gpus)}  # fmt: skip
-
-
-def test_dry_run_prints_the_plan_and_every_nodes_command(tmp_path: Path) -> None:
-    env = {**_slurm(2, 0, 8), "SLURM_JOB_NODELIST": "gpu[07-08]", "GBS": "16"}
-    recipe = "run_scripts/run_full_4k_multinode.sh"
-    run = run_recipe(str(SBATCH), tmp_path, timeout=180, args=(recipe,), PRIMUS_PP="1", **env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
-    assert lines[0] == ("# job 4242: 2 nodes (gpu07 gpu08), rendezvous gpu07:24242, GPUs per "
-                        f"node 8, restarts 3, recipe {recipe}")  # fmt: skip
-    assert [line for line in lines if line.startswith("# node")] == ["# node 0", "# node 1"]
-    plans = [json.loads(line) for line in lines if line.startswith("{")]
-    assert [(p["node_rank"], p["nnodes"], p["world_size"], p["master_addr"]) for p in plans] == [
-        (0, 2, 16, "gpu07"),
-        (1, 2, 16, "gpu07"),
-    ]
-    commands = [line for line in lines if "torch.distributed.run" in line]
-    assert len(commands) == 2
-    for command in commands:  # the same on every node: ranks come from the rendezvous
-        assert (
-            "--nnodes 2:2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint "
-            "gpu07:24242 --rdzv_id slurm-4242 --max_restarts 3 -m primus_v4 train"
-        ) in command
-    assert "node 1: building the pack cache" not in run.stderr  # a dry run builds nothing
-
-
-def test_a_one_node_recipe_on_two_nodes_is_refused(tmp_path: Path) -> None:
-    run = run_recipe(str(SBATCH), tmp_path, args=("--task", "run_scripts/run_local.sh"),
-                     **_slurm(2, 1, 2))  # fmt: skip
-    assert run.returncode == 3
-    assert run.stderr.strip().endswith(
-        "run_local.sh: error: run_local.sh runs NNODES=1 but the job has 2 nodes; use a "
-        "multi-node recipe or allocate 1"
-    )
-
-
 # The tiny model through the multi-node base recipe: DP4, 3 steps, a checkpoint after each.
 TINY = {
     "PRIMUS_CONFIG": str(REPO / "primus_v4" / "configs" / "runs" / "tiny_cpu_thd.yaml"),
@@ -93,6 +52,46 @@ TINY = {
     "PRIMUS_PREFLIGHT": "0", "SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "DRY_RUN": "0",
 }  # fmt: skip
 BASE = "run_scripts/run_full_4k_multinode.sh"
+
+
+def _slurm(nodes: int, node_id: int, gpus: int, job: str = "4242") -> dict[str, str]:
+    hosts = ["localhost", "127.0.0.1"][:nodes]  # two names of this machine: two "nodes"
+    return {"SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": ",".join(hosts),
+            "SLURM_NODEID": str(node_id), "SLURM_JOB_NUM_NODES": str(nodes),
+            "SLURM_GPUS_ON_NODE": str(gpus)}  # fmt: skip
+
+
+def test_dry_run_prints_the_plan_and_every_nodes_command(tmp_path: Path) -> None:
+    env = {**TINY, **_slurm(2, 0, 2), "SLURM_JOB_NODELIST": "gpu[07-08]", "DRY_RUN": "1"}
+    run = run_recipe(str(SBATCH), tmp_path, timeout=180, args=(BASE,), **env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[0] == ("# job 4242: 2 nodes (gpu07 gpu08), rendezvous gpu07:24242, GPUs per "
+                        f"node 2, restarts 1, recipe {BASE}")  # fmt: skip
+    assert [line for line in lines if line.startswith("# node")] == ["# node 0", "# node 1"]
+    plans = [json.loads(line) for line in lines if line.startswith("{")]
+    assert [(p["node_rank"], p["nnodes"], p["world_size"], p["master_addr"]) for p in plans] == [
+        (0, 2, 4, "gpu07"),
+        (1, 2, 4, "gpu07"),
+    ]
+    commands = [line for line in lines if "torch.distributed.run" in line]
+    assert len(commands) == 2
+    for command in commands:  # the same on every node: ranks come from the rendezvous
+        assert (
+            "--nnodes 2:2 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint "
+            "gpu07:24242 --rdzv_id slurm-4242 --max_restarts 1 -m primus_v4 train"
+        ) in command
+    assert "building the pack cache" not in run.stderr  # a dry run builds nothing
+
+
+def test_a_one_node_recipe_on_two_nodes_is_refused(tmp_path: Path) -> None:
+    run = run_recipe(str(SBATCH), tmp_path, args=("--task", "run_scripts/run_local.sh"),
+                     **_slurm(2, 1, 2))  # fmt: skip
+    assert run.returncode == 3
+    assert run.stderr.strip().endswith(
+        "run_local.sh: error: run_local.sh runs NNODES=1 but the job has 2 nodes; use a "
+        "multi-node recipe or allocate 1"
+    )
 
 
 def _free_port() -> int:
