@@ -54,6 +54,26 @@ TINY = {
 BASE = "run_scripts/run_full_4k_multinode.sh"
 
 
+def test_torchrun_flags_static_without_restarts_c10d_with_them() -> None:
+    flags = 'primus_torchrun_args; echo "${PRIMUS_TORCHRUN_ARGS[*]}"'
+    knobs = {"NNODES": "3", "NODE_RANK": "2", "GPUS_PER_NODE": "8", "MASTER_ADDR": "n0",
+             "MASTER_PORT": "29710"}  # fmt: skip
+    static = _bash(flags, **knobs)
+    assert static.stdout.split() == ["--nnodes", "3", "--node_rank", "2", "--nproc_per_node", "8",
+                                     "--master_addr", "n0", "--master_port", "29710"]  # fmt: skip
+    elastic = _bash(flags, **knobs, PRIMUS_MAX_RESTARTS="2", PRIMUS_MIN_NODES="2")
+    assert elastic.stdout.split() == [
+        "--nnodes", "2:3", "--nproc_per_node", "8", "--rdzv_backend", "c10d",
+        "--rdzv_endpoint", "n0:29710", "--rdzv_id", "primus-v4-29710", "--max_restarts", "2",
+    ]  # fmt: skip
+    for bad, message in (
+        ({"PRIMUS_RDZV_BACKEND": "static"}, "needs PRIMUS_RDZV_BACKEND=c10d"),
+        ({"PRIMUS_MIN_NODES": "4"}, "PRIMUS_MIN_NODES=4 is more than NNODES=3"),
+    ):
+        got = _bash(flags, **knobs, PRIMUS_MAX_RESTARTS="2", **bad)
+        assert got.returncode == 3 and message in got.stderr, got.stderr
+
+
 def _slurm(nodes: int, node_id: int, gpus: int, job: str = "4242") -> dict[str, str]:
     hosts = ["localhost", "127.0.0.1"][:nodes]  # two names of this machine: two "nodes"
     return {"SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": ",".join(hosts),
