@@ -5,6 +5,7 @@ renders through the entrypoint and the recipe base (DRY_RUN=1) from the operator
 from __future__ import annotations
 
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +42,15 @@ def _volume_at(replica: dict, path: str) -> dict:
     (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
     (volume,) = [v for v in replica["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
     return volume
+
+
+def test_entrypoint_is_strict_and_shellcheck_clean():
+    script = SCRIPTS / ENTRYPOINT
+    assert "set -euo pipefail" in script.read_text().splitlines()
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    proc = subprocess.run([str(shellcheck), str(script)], capture_output=True, text=True,
+                          cwd=script.parent)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout
 
 
 def test_the_operator_finds_what_it_requires():

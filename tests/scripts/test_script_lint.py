@@ -13,11 +13,7 @@ import pytest
 from recipe_runner import SCRIPTS
 
 RECIPES = sorted(SCRIPTS.glob("*.sh"))
-ALL_SHELL = [
-    *RECIPES,
-    *sorted((SCRIPTS / "lib").glob("*.sh")),
-    *sorted((SCRIPTS / "k8s").glob("*.sh")),
-]
+ALL_SHELL = [*RECIPES, *sorted((SCRIPTS / "lib").glob("*.sh"))]
 # Assignments that are deliberately not knobs: run_local.sh is one node by definition.
 FIXED = {
     ("run_local.sh", "NNODES"),
