@@ -346,7 +346,7 @@ class Trainer:
             MetricsWriter(
                 out_dir / "metrics.jsonl",
                 append=self.start_step > 0,
-                tracker=open_tracker(self.cfg, out_dir),
+                tracker=open_tracker(self.cfg, out_dir, resume=self.start_step > 0),
             )
             if main
             else None

@@ -6,6 +6,10 @@ Offline (`output.tracker_mode: offline`, the default) nothing leaves the machine
 event files under <output.dir>/tensorboard, a wandb offline run under <output.dir>/wandb
 (`wandb sync` uploads it later), an MLflow file store under <output.dir>/mlruns
 (`mlflow ui --backend-store-uri <output.dir>/mlruns` shows it).
+
+A resumed run (a restart from a checkpoint into the same output.dir) continues the tracker run
+it started: wandb and MLflow run ids are kept in <output.dir>/tracker_run.json; TensorBoard
+appends to the same directory. Steps redone after the checkpoint are logged again.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any, Protocol
 
 from primus_v4.config import RunConfig, to_dict
 from primus_v4.config.preflight import tracker_available, tracker_missing
+from primus_v4.durable import write_durable
 from primus_v4.errors import ConfigError
 from primus_v4.log import get_logger
 
@@ -27,9 +32,12 @@ log = get_logger(__name__)
 
 # MLflow takes at most 100 parameters per logged batch.
 MLFLOW_PARAMS_PER_BATCH = 100
+RUN_ID_FILE = "tracker_run.json"
 
 
 class Tracker(Protocol):
+    run_id: str | None
+
     def log_step(self, metrics: Any) -> None: ...
     def log_artifacts(self, paths: Iterable[Path]) -> None: ...
     def close(self) -> None: ...
@@ -62,7 +70,9 @@ def flat_params(cfg: RunConfig) -> dict[str, Any]:
 
 
 class TensorBoardTracker:
-    def __init__(self, cfg: RunConfig, out_dir: Path) -> None:
+    run_id = None  # the directory is the run
+
+    def __init__(self, cfg: RunConfig, out_dir: Path, run_id: str | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
@@ -90,7 +100,7 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    def __init__(self, cfg: RunConfig, out_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, out_dir: Path, run_id: str | None) -> None:
         import wandb
 
         self._run: Any = wandb.init(
@@ -99,10 +109,13 @@ class WandbTracker:
             dir=str(out_dir),
             mode=cfg.output.tracker_mode,
             config=to_dict(cfg),
+            id=run_id,
+            resume="allow" if run_id else None,
             settings=wandb.Settings(
                 silent=True, console="off", x_disable_stats=True, x_save_requirements=False
             ),
         )
+        self.run_id: str | None = self._run.id
 
     def log_step(self, metrics: Any) -> None:
         self._run.log(scalars(metrics), step=metrics.step)
@@ -116,7 +129,7 @@ class WandbTracker:
 
 
 class MlflowTracker:
-    def __init__(self, cfg: RunConfig, out_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, out_dir: Path, run_id: str | None) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -128,32 +141,44 @@ class MlflowTracker:
         else:
             uri = os.environ["MLFLOW_TRACKING_URI"]  # checked at preflight
         self._client: Any = MlflowClient(tracking_uri=uri)
+        if run_id is not None and self._resumable(run_id):  # its parameters are there already
+            self._client.update_run(run_id, status="RUNNING")
+            self.run_id: str | None = run_id
+            return
         name = cfg.output.tracker_project
         experiment = self._client.get_experiment_by_name(name)
         experiment_id = (
             experiment.experiment_id if experiment else self._client.create_experiment(name)
         )
-        self._run_id: str = self._client.create_run(
-            experiment_id, run_name=out_dir.name
-        ).info.run_id
+        self.run_id = self._client.create_run(experiment_id, run_name=out_dir.name).info.run_id
         params = [Param(k, str(v)) for k, v in flat_params(cfg).items()]
         for start in range(0, len(params), MLFLOW_PARAMS_PER_BATCH):
             batch = params[start : start + MLFLOW_PARAMS_PER_BATCH]
-            self._client.log_batch(self._run_id, params=batch)
+            self._client.log_batch(self.run_id, params=batch)
+
+    def _resumable(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.get_run(run_id)
+        except MlflowException:
+            log.warning("output.tracker: mlflow run %s is not in the store; a new run", run_id)
+            return False
+        return True
 
     def log_step(self, metrics: Any) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         rows = [Metric(k, float(v), now, metrics.step) for k, v in scalars(metrics).items()]
-        self._client.log_batch(self._run_id, metrics=rows)
+        self._client.log_batch(self.run_id, metrics=rows)
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         for path in paths:
-            self._client.log_artifact(self._run_id, str(path))
+            self._client.log_artifact(self.run_id, str(path))
 
     def close(self) -> None:
-        self._client.set_terminated(self._run_id)
+        self._client.set_terminated(self.run_id)
 
 
 TRACKERS: dict[str, type] = {
@@ -163,9 +188,22 @@ TRACKERS: dict[str, type] = {
 }
 
 
-def open_tracker(cfg: RunConfig, out_dir: Path) -> Tracker | None:
-    """The configured tracker, started (None for `none`); a missing package is one ConfigError
-    line naming the pip extra."""
+def _previous_run_id(out_dir: Path, name: str) -> str | None:
+    """The run id this output dir's earlier attempt recorded for tracker `name`, if any."""
+    path = out_dir / RUN_ID_FILE
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("%s: unreadable (%s); the tracker starts a new run", path, exc)
+        return None
+    return saved.get("id") if saved.get("tracker") == name else None
+
+
+def open_tracker(cfg: RunConfig, out_dir: Path, *, resume: bool = False) -> Tracker | None:
+    """The configured tracker, started (None for `none`), continuing the earlier attempt's run
+    when `resume`; a missing package is one ConfigError line naming the pip extra."""
     name = cfg.output.tracker
     if name == "none":
         return None
@@ -173,4 +211,10 @@ def open_tracker(cfg: RunConfig, out_dir: Path) -> Tracker | None:
         log.info("output.tensorboard: true is read as output.tracker: tensorboard")
     if not tracker_available(name):
         raise ConfigError(tracker_missing(name))
-    return TRACKERS[name](cfg, out_dir)
+    run_id = _previous_run_id(out_dir, name) if resume else None
+    tracker = TRACKERS[name](cfg, out_dir, run_id)
+    if tracker.run_id is not None:
+        if run_id is not None:
+            log.info("output.tracker: %s continues run %s", name, run_id)
+        write_durable(out_dir / RUN_ID_FILE, json.dumps({"tracker": name, "id": tracker.run_id}))
+    return tracker

@@ -4,10 +4,12 @@ naming the pip extra; the older output.tensorboard: true still selects TensorBoa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from train_fakes import fake_trainer
+import torch
+from train_fakes import RAGGED_PACKS, FakeCorpus, FakeLM, fake_trainer, tiny_run
 from wandb_records import read_offline_run
 
 from primus_v4.config import load_config, preflight
@@ -109,3 +111,41 @@ def test_mlflow_offline_run(tmp_path: Path) -> None:
     assert run.data.params["output.tracker"] == "mlflow"
     names = sorted(a.path for a in client.list_artifacts(run.info.run_id))
     assert names == ["loss.png", "metrics.jsonl"]
+
+
+class _ResumableLM(FakeLM):
+    """FakeLM with a 1-D parameter, so its optimizer state (a no-decay group) loads back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.Parameter(torch.ones(4))
+
+
+def _train(tmp_path: Path, tracker: str, steps: int) -> None:
+    from primus_v4.training.trainer import Trainer
+
+    ck = (f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=2")
+    run = tiny_run(tmp_path, f"train.steps={steps}", "train.warmup_steps=1", *ck,
+                   f"output.tracker={tracker}")  # fmt: skip
+    Trainer(run, corpus=FakeCorpus(RAGGED_PACKS[:4]), model=_ResumableLM()).train()
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
+def test_a_resumed_run_continues_its_tracker_run(tmp_path: Path, tracker: str) -> None:
+    pytest.importorskip(preflight.TRACKER_MODULES[tracker], reason=f"no {tracker} extra")
+    _train(tmp_path, tracker, steps=2)
+    out = tmp_path / "run"
+    first = json.loads((out / trackers.RUN_ID_FILE).read_text())
+    _train(tmp_path, tracker, steps=4)  # resumes from the step-2 checkpoint
+    assert json.loads((out / trackers.RUN_ID_FILE).read_text()) == first
+    if tracker == "wandb":  # one offline dir per attempt, both of the run (wandb sync joins them)
+        attempts = sorted((out / "wandb").glob("offline-run-*"))
+        assert [p.name.rsplit("-", 1)[1] for p in attempts] == [first["id"]] * 2
+        assert [h["_step"] for h in read_offline_run(attempts[1])["history"]] == [3, 4]
+    else:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=(out / "mlruns").as_uri())
+        (run,) = client.search_runs([client.get_experiment_by_name("primus_v4").experiment_id])
+        assert run.info.run_id == first["id"] and run.info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(first["id"], "loss")] == [1, 2, 3, 4]
