@@ -24,6 +24,7 @@ input read once and each output written once (candidate keys once per query), a 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -204,6 +205,20 @@ def _row(op, rows, backend, dtype, r, ref) -> str:
             f"{r['bytes'] / 1e9:8.3f} {err:>8} {speed}")  # fmt: skip
 
 
+def _record(op, rows, backend, dtype, r, ref) -> dict:
+    """One row for --json: TFLOP/s forward and backward, speed vs the torch reference."""
+    f_fwd, f_bwd = r["flops"]
+    total = r["fwd_s"] + r["bwd_s"]
+    return {
+        "op": op, "rows": rows, "backend": backend, "dtype": str(dtype)[6:],
+        "fwd_ms": r["fwd_s"] * 1e3, "bwd_ms": r["bwd_s"] * 1e3,
+        "fwd_tflops": f_fwd / r["fwd_s"] / 1e12 if r["fwd_s"] else None,
+        "bwd_tflops": f_bwd / r["bwd_s"] / 1e12 if f_bwd and r["bwd_s"] else None,
+        "vs_torch": (ref["fwd_s"] + ref["bwd_s"]) / total if total else None,
+        "max_rel_err": r.get("err"),
+    }  # fmt: skip
+
+
 HEADER = (f"  {'op':<17} {'rows':>6} {'backend':<13} {'dtype':<9} {'fwd ms':>9} {'bwd ms':>9} "
           f"{'fTFLOP/s':>8} {'bTFLOP/s':>8} {'GB moved':>8} {'err':>8} vs torch")  # fmt: skip
 
@@ -265,7 +280,9 @@ def main() -> None:
     ap.add_argument("--scale", choices=list(SCALES), default=None)
     ap.add_argument("--reps", type=int, default=None, help="calls per case (best kept)")
     ap.add_argument("--no-interpret", action="store_true", help="skip the CPU correctness part")
+    ap.add_argument("--json", type=Path, default=None, help="also write the timed rows here")
     a = ap.parse_args()
+    records: list[dict] = []
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     scale = a.scale or ("flash" if gpu else "cpu")
@@ -283,6 +300,7 @@ def main() -> None:
             for dtype in (torch.bfloat16,) if gpu else (torch.float32,):
                 ref = bench(op, "torch", rows, SCALES[scale], device, dtype, reps)
                 print(_row(op, rows, "torch", dtype, ref, ref), flush=True)
+                records.append(_record(op, rows, "torch", dtype, ref, ref))
                 if not gpu:  # other backends' CPU times are an interpreter's (see above)
                     continue
                 for backend in [b for b in _runnable(op) if b != "torch"]:
@@ -292,6 +310,9 @@ def main() -> None:
                         print(f"  {op:<17} {rows:>6} {backend:<13} refused: {exc}")
                         continue
                     print(_row(op, rows, backend, dtype, r, ref), flush=True)
+                    records.append(_record(op, rows, backend, dtype, r, ref))
+    if a.json is not None:
+        a.json.write_text(json.dumps({"device": where, "scale": scale, "rows": records}, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ catches read-only mounts and holds for root, for whom permission bits do not app
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,21 @@ from primus_v4.data.tokenizer import resolve_tokenizer_dir
 from primus_v4.durable import writable_problem
 from primus_v4.errors import DataError, PathError
 
-TENSORBOARD_MISSING = (
-    "output.tensorboard: true needs the tensorboard package: pip install 'primus_v4[tensorboard]' "
-    "(or pip install tensorboard), or set output.tensorboard=false"
-)
+# output.tracker -> the module it imports; each is the pip extra of the same name.
+TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
-def tensorboard_available() -> bool:
-    return importlib.util.find_spec("tensorboard") is not None
+def tracker_available(tracker: str) -> bool:
+    module = TRACKER_MODULES.get(tracker)
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+def tracker_missing(tracker: str) -> str:
+    """The one line a run without the chosen tracker's package fails with."""
+    return (
+        f"output.tracker: {tracker} needs the {TRACKER_MODULES[tracker]} package: "
+        f"pip install 'primus_v4[{tracker}]', or set output.tracker=none"
+    )
 
 
 def run_directories(cfg: RunConfig) -> dict[str, Path]:
@@ -65,8 +73,14 @@ def path_problems(cfg: RunConfig) -> list[str]:
         resolve_tokenizer_dir(cfg.data.tokenizer)
     except DataError as exc:
         problems.append(f"data.tokenizer: {exc}")
-    if cfg.output.tensorboard and not tensorboard_available():
-        problems.append(TENSORBOARD_MISSING)
+    if not tracker_available(cfg.output.tracker):
+        problems.append(tracker_missing(cfg.output.tracker))
+    online = cfg.output.tracker_mode == "online"
+    if cfg.output.tracker == "mlflow" and online and not os.environ.get("MLFLOW_TRACKING_URI"):
+        problems.append(
+            "output.tracker_mode: online with mlflow needs MLFLOW_TRACKING_URI (the tracking "
+            "server), or set output.tracker_mode=offline for a file store under output.dir"
+        )
     return problems
 
 

@@ -403,18 +403,39 @@ class OutputConfig:
     holds another run's config.yaml or metrics.jsonl is refused unless this run resumes that
     one (same checkpoint.dir) or output.overwrite is true."""
     overwrite: bool = False
-    """Start over another run's outputs in dir: its metrics.jsonl, loss.png and tensorboard/ are
+    """Start over another run's outputs in dir: its metrics.jsonl, loss.png and tracker dirs are
     removed first (never its checkpoints)."""
     progress_bar: bool = True
     """tqdm bar on rank 0 (stderr)."""
     plot: bool = True
     """Write loss.png (loss, eval loss, grad norm and lr vs step) at the end."""
+    tracker: Literal["none", "tensorboard", "wandb", "mlflow"] = "none"
+    """Also send the run to an experiment tracker (rank 0 only): the metrics.jsonl scalars at
+    every step, the resolved config as the run's parameters, loss.png and metrics.jsonl as
+    artifacts. tensorboard: event files under <dir>/tensorboard; wandb: a run under <dir>/wandb;
+    mlflow: a run of experiment tracker_project. Each needs its extra, e.g. pip install
+    'primus_v4[wandb]'."""
+    tracker_mode: Literal["offline", "online"] = "offline"
+    """offline: nothing leaves the machine (wandb's offline mode, to `wandb sync` later; mlflow's
+    file store under <dir>/mlruns). online: wandb uploads (WANDB_API_KEY); mlflow logs to
+    MLFLOW_TRACKING_URI, which must be set."""
+    tracker_project: str = "primus_v4"
+    """The wandb project or mlflow experiment; the run is named after the last part of dir."""
     tensorboard: bool = False
-    """Also write the metrics.jsonl scalars as TensorBoard events under <dir>/tensorboard (needs
-    the `tensorboard` extra: pip install 'primus_v4[tensorboard]')."""
+    """Older spelling of tracker: tensorboard (true sets it; with another tracker it is an
+    error)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "output.dir", "must not be empty")
+        _require(bool(self.tracker_project), "output.tracker_project", "must not be empty")
+        if self.tensorboard:
+            _require(
+                self.tracker in ("none", "tensorboard"),
+                "output.tensorboard",
+                f"true asks for tensorboard but output.tracker is {self.tracker}; set "
+                "output.tracker=tensorboard and drop output.tensorboard",
+            )
+            self.tracker = "tensorboard"
 
 
 @dataclass(kw_only=True)

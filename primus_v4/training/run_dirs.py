@@ -43,7 +43,7 @@ log = get_logger(__name__)
 LOCK_FILE = ".primus-v4.lock"
 RUN_MARKS = ("config.yaml", "metrics.jsonl")
 # What a run writes into output.dir and reads back (summary, plot): removed on overwrite.
-RUN_ARTIFACTS = ("metrics.jsonl", "loss.png", "tensorboard")
+RUN_ARTIFACTS = ("metrics.jsonl", "loss.png", "tensorboard", "wandb", "mlruns", "tracker_run.json")
 
 
 def absolute_dirs(cfg: RunConfig) -> RunConfig:

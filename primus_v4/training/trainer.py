@@ -44,6 +44,7 @@ from primus_v4.training.checkpoint.lifecycle import RunCheckpoints, check_steps
 from primus_v4.training.evaluation import Evaluator
 from primus_v4.training.loss import StepLoss, reduce_counts
 from primus_v4.training.metrics.history import keep_rows_through, read_history
+from primus_v4.training.metrics.trackers import open_tracker
 from primus_v4.training.metrics.writer import (
     MetricsWriter,
     StepMetrics,
@@ -359,10 +360,11 @@ class Trainer:
         _log_attempt(self.start_step, self.checkpoints.root if self.checkpoints else None)
         if main and self.start_step > 0:  # rows after the resumed step are redone: drop them
             keep_rows_through(out_dir / "metrics.jsonl", self.start_step)
-        tensorboard = out_dir / "tensorboard" if self.cfg.output.tensorboard else None
         writer = (
             MetricsWriter(
-                out_dir / "metrics.jsonl", append=self.start_step > 0, tensorboard_dir=tensorboard
+                out_dir / "metrics.jsonl",
+                append=self.start_step > 0,
+                tracker=open_tracker(self.cfg, out_dir, resume=self.start_step > 0),
             )
             if main
             else None
@@ -370,10 +372,16 @@ class Trainer:
         rows: list[StepMetrics] = []
         try:
             self._loop(rows, writer)
+            result = self._finish(rows, out_dir)
+            if writer is not None and writer.tracker is not None:
+                artifacts = [
+                    result.artifacts[k] for k in ("plot", "metrics") if k in result.artifacts
+                ]
+                writer.tracker.log_artifacts(artifacts)
         finally:
             if writer is not None:
                 writer.close()
-        return self._finish(rows, out_dir)
+        return result
 
     def _loop(self, rows: list[StepMetrics], writer: MetricsWriter | None) -> None:
         from tqdm import tqdm

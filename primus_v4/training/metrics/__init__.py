@@ -1,1 +1,1 @@
-"""Per-step metrics: the writer (metrics.jsonl, log, summary, loss.png), history, TensorBoard."""
+"""Per-step metrics: the writer (metrics.jsonl, log, summary, loss.png), history, trackers."""

@@ -1,4 +1,5 @@
-"""Per-step metrics: metrics.jsonl rows, the log line, the end-of-run summary table, loss.png."""
+"""Per-step metrics: metrics.jsonl rows (and the tracker's), the log line, the end-of-run summary
+table, loss.png."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import IO, Any
 
 import torch
 
-from primus_v4.training.metrics.tensorboard import TensorBoardSink
+from primus_v4.training.metrics.trackers import Tracker
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,28 +106,26 @@ class MetricsWriter:
     """Appends one JSON object per step to metrics.jsonl, flushed so a crash keeps every row."""
 
     def __init__(
-        self, path: str | Path, *, append: bool = False, tensorboard_dir: str | Path | None = None
+        self, path: str | Path, *, append: bool = False, tracker: Tracker | None = None
     ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] = self.path.open("a" if append else "w")
         self.rows: list[StepMetrics] = []
-        self._tensorboard: Any = None
-        if tensorboard_dir is not None:  # the same rows as TensorBoard scalars
-            self._tensorboard = TensorBoardSink(tensorboard_dir)
+        self.tracker = tracker  # gets the same rows (output.tracker); closed with the writer
 
     def write(self, metrics: StepMetrics) -> None:
         row = {k: _json_safe(v) for k, v in asdict(metrics).items()}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         self.rows.append(metrics)
-        if self._tensorboard is not None:
-            self._tensorboard.write(metrics)
+        if self.tracker is not None:
+            self.tracker.log_step(metrics)
 
     def close(self) -> None:
         self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
