@@ -9,6 +9,7 @@ Engram's 3-token look-back; pp2 cuts before layer 4, so the second stage receive
 ratio-1 pool, index keys, selection and candidate blocks and holds an Engram layer (4); pp2 x cp2
 cuts before layer 2, so layer 1's ratio-2 pool, gathered over the CP ranks, crosses the stages.
 dp2 steps the sharded optimizer (ZeRO-1, each rank holds about half the state: asserted).
+The 2-rank launch also compares every parameter gradient of one pack at cp2 with one process.
 """
 
 from __future__ import annotations
@@ -16,10 +17,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from harness import run_ranks
+from test_cp_layout import _pack
 from train_fakes import FakeCorpus, tiny_run
 
+from primus_v4.models import model_spec
+from primus_v4.models.deepseek_v4.infra.cp_batch import shard_batch
+from primus_v4.models.deepseek_v4.layout import LocalComm
 from primus_v4.models.deepseek_v4.moe import MoE
+from primus_v4.models.deepseek_v41.infra.cp_batch import required_local_rows
+from primus_v4.parallel.context_parallel import CpComm
 from primus_v4.parallel.groups import destroy_parallel
 from primus_v4.training.trainer import Trainer
 
@@ -70,10 +79,56 @@ def _train(world: int, out: Path, parallel: tuple[str, ...]) -> dict:
 def _rank(rank: int, world: int, out: str) -> dict[str, dict]:
     if world == 1:
         return {"one": _train(1, Path(out) / "one", ())}
-    return {
+    got = {
         name: _train(world, Path(out) / name / f"rank{rank}", parallel)
         for name, parallel in LAYOUTS[world].items()
     }
+    if world == 2:
+        got["cp2 gradients"] = _cp_gradients(rank)
+    return got
+
+
+# CP edge at row 128 inside the sample of rows 33-182: its 2:1 group (127, 128) straddles the
+# edge, rows 128-129 look back to Engram n-grams of the previous rank, windows reach across, and
+# candidate blocks matter (150 ratio-1 positions: 19 blocks of 8, 4 kept); trailing padding.
+EDGES = ([33, 150, 44, 20, 1], 8)
+
+
+def _objective(model, inputs: dict, cp: int) -> dict[str, torch.Tensor]:
+    """Loss and aux of one pack over the global supervised count, and every gradient summed
+    over the CP ranks (each rank backpropagates its share of the global objective)."""
+    out = model(**inputs)
+    n = inputs["loss_mask"].sum().to(torch.float64)
+    if cp > 1:
+        dist.all_reduce(n)
+    (out.loss_sum / n + out.aux_loss / cp).backward()
+    sums = torch.stack([out.loss_sum.detach().double(), out.aux_loss.detach().double() / cp])
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    if cp > 1:
+        dist.all_reduce(sums)
+        for g in grads.values():
+            dist.all_reduce(g)
+    return {"sums": sums, **grads}
+
+
+def _cp_gradients(rank: int) -> dict[str, float]:
+    """cp2 vs one process on one pack: the largest difference of every parameter's gradient,
+    relative to that gradient's largest element, and of the loss and balance sums."""
+    spec = model_spec("deepseek_v41")
+    # init std 0.05: attention far from uniform, so a wrong key or pool position would show.
+    cfg = spec.config_class.preset("tiny_v41", vocab_size=1024, init_method_std=0.05)
+    batch = _pack(*EDGES, seed=1)
+    got = []
+    for cp, comm in ((1, LocalComm()), (2, CpComm(dist.group.WORLD))):
+        model = spec.build(cfg)
+        model.init_weights(3)
+        rows = required_local_rows(cfg)
+        shard = shard_batch(batch, cp_rank=rank % cp, cp_size=cp, min_local_rows=rows)
+        got.append(_objective(model, shard.model_inputs(comm), cp))
+    one, two = got
+    assert set(one) == set(two)
+    return {k: float((one[k] - two[k]).abs().max() / one[k].abs().max().clamp(min=1e-30))
+            for k in one}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +153,7 @@ def _max_diff(one: dict, ranks: list[dict], name: str) -> dict[str, tuple[float,
 
 
 def _check(one: dict, ranks: list[dict]) -> None:
-    for name in ranks[0]:
+    for name in LAYOUTS[len(ranks)]:
         worst = _max_diff(one, ranks, name)
         print(f"\n{name}: max |difference| vs one process (absolute / relative) "
               + ", ".join(f"{k} {a:.2e} / {r:.2e}" for k, (a, r) in worst.items()))  # fmt: skip
@@ -116,6 +171,14 @@ def test_every_axis_matches_one_process(single, world: int, tmp_path: Path) -> N
         ep = 2 if "parallel.ep=2" in parallel else 1
         assert all(r[name]["local_experts"] == experts // ep for r in ranks), name
     if world == 2:
+        grads = ranks[0]["cp2 gradients"]
+        worst = max(grads, key=grads.get)
+        print(
+            f"cp2 one pack: loss/aux sums {grads['sums']:.2e}, worst gradient {worst} "
+            f"{grads[worst]:.2e} (of {len(grads) - 1} parameters)"
+        )
+        # float32 summation order only (CP sums of partial gradients); measured 2.0e-6.
+        assert grads[worst] <= TOLERANCE, worst
         # pp2 split at the layout's cut; dp2 (ZeRO-1): each replica holds half of the state,
         # plus at most one element per parameter (chunks are ceil(N / 2)).
         assert [r["pp2"]["layers"] for r in ranks] == [[0, 1, 2, 3], [4, 5]]
