@@ -8,7 +8,8 @@ send/recv pairs of 1F1B into batched isend/irecv (works on gloo and RCCL), and s
 `step(**kwargs)` chunks keyword tensors along dim 0 and hands micro-batch i's chunk to EVERY
 stage, not only the first. That carries the packing metadata: each pack's tensors are stacked
 [M, ...] (cu_seqlens right-padded by repeating its last value, stripped again by the stage), so
-only the streams x_TKD travel between stages and each stage rebuilds its RowLayout locally.
+only the streams x_TKD travel between stages (or the tuple a stage's `boundary(t)` describes)
+and each stage rebuilds its RowLayout locally.
 Shapes are given up front (`input_args`/`output_args`): runtime shape inference would run the
 model on meta tensors, which the data-dependent layout code cannot do.
 
@@ -85,11 +86,8 @@ class PipelineRunner:
             model.embedding.weight.pipeline_tied = True  # type: ignore[attr-defined]
 
     def _build(self, m: int, t: int, id_dtype: torch.dtype) -> None:
-        cfg, model, pp = self.model.cfg, self.model, self.ctx.pp
-        streams = torch.empty(
-            t, cfg.hc_mult, cfg.hidden_size, dtype=model.stream_dtype, device="meta",
-            requires_grad=True,
-        )  # fmt: skip
+        model, pp = self.model, self.ctx.pp
+        streams = self._boundary(t)
         inputs = torch.empty(1, t, dtype=id_dtype, device="meta") if model.is_first else streams
         if model.is_last:
             scalar = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
@@ -110,6 +108,18 @@ class PipelineRunner:
         # runs backward at all (only the last stage ever calls it).
         self.schedule = kind(stage, m, loss_fn=self._loss, scale_grads=False)
         self._shape = (m, t, id_dtype)
+
+    def _boundary(self, t: int) -> Any:
+        """Meta tensor(s) of what crosses a stage boundary: the model's `boundary(t)` when it
+        sends more than the mHC streams [T, K, D]."""
+        model = self.model
+        if hasattr(model, "boundary"):
+            return model.boundary(t)
+        cfg = model.cfg
+        return torch.empty(
+            t, cfg.hc_mult, cfg.hidden_size, dtype=model.stream_dtype, device="meta",
+            requires_grad=True,
+        )  # fmt: skip
 
     def _loss(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
         # The labels travel as keyword tensors; the target carries this pack's sample count.
@@ -181,14 +191,17 @@ class PipelineRunner:
         model, pp = self.model, self.ctx.pp
         t = kw["token_ids"].shape[1]
         if model.is_first:
-            x = kw["token_ids"]
+            xs: tuple[torch.Tensor, ...] = (kw["token_ids"],)
         else:
-            x = torch.empty(t, model.cfg.hc_mult, model.cfg.hidden_size,
-                            dtype=model.stream_dtype, device=self.device)  # fmt: skip
-            dist.recv(x, group=pp.group, group_src=pp.rank - 1)
-        out = model(x, **kw)
+            meta = self._boundary(t)
+            metas = meta if isinstance(meta, tuple) else (meta,)
+            xs = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
+            for x in xs:
+                dist.recv(x, group=pp.group, group_src=pp.rank - 1)
+        out = model(*xs, **kw)
         if not model.is_last:
-            dist.send(out.contiguous(), group=pp.group, group_dst=pp.rank + 1)
+            for y in out if isinstance(out, tuple) else (out,):
+                dist.send(y.contiguous(), group=pp.group, group_dst=pp.rank + 1)
         elif step_loss is not None:
             _objective(step_loss, self.output_fn, out, kw["aux_samples"])
 

@@ -68,7 +68,7 @@ class FakeCorpus:
 RAGGED_PACKS = [[100, 70, 60], [200, 40], [33, 150, 60], [90, 90, 60], [250], [120, 111]]
 
 
-def tiny_run(tmp_path: Path, *overrides: str) -> ResolvedRun:
+def tiny_run(tmp_path: Path, *overrides: str, world: int = 1) -> ResolvedRun:
     """The default config on the test vocab and sequence length, writing under tmp_path."""
     base = [
         f"data.seq_length={SEQ}",
@@ -77,7 +77,7 @@ def tiny_run(tmp_path: Path, *overrides: str) -> ResolvedRun:
         "output.progress_bar=false",
         "train.shuffle=false",
     ]
-    return resolve_run(load_config(overrides=[*base, *overrides]), world=1)
+    return resolve_run(load_config(overrides=[*base, *overrides]), world=world)
 
 
 class FakeLM(torch.nn.Module):

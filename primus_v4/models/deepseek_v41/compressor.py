@@ -16,9 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from primus_v4.models.deepseek_v4.layout import RowLayout
+from primus_v4.models.deepseek_v4.layout import RowLayout, SeqComm
 from primus_v4.models.deepseek_v4.norm import RMSNorm
 
 
@@ -26,9 +27,16 @@ from primus_v4.models.deepseek_v4.norm import RMSNorm
 class PoolPlan:
     """Where every compressed position of one ratio comes from, and what each row sees.
 
-    group_rows_PR: rows pooled into each position; pos_P: its in-sample RoPE position jR.
-    seg_start_N, seg_len_N, pool_start_N, pool_len_N: per sample (segment) of the pack.
-    pool_start_T, visible_T: per row, its sample's first pool index and how many it sees.
+    The pool is always the whole pack's, in sample order (so selections index the same positions
+    on every layout); under context parallelism each rank pools the groups whose LAST row it
+    holds (`group_rows_PR`, in rows of [halo rows from the previous rank ++ local rows]) and
+    `gather` assembles the pack's pool from every rank's block.
+    group_rows_PR: rows pooled into each of this rank's positions; pos_P: every position's
+    in-sample RoPE position jR. pool_start_N, pool_len_N: per sample (segment), its pool range;
+    seg_start_N, seg_len_N: its rows on this rank (local, clipped to [0, T)).
+    pool_start_T, visible_T: per local row, its sample's first pool index and how many it sees.
+    halo: rows taken from the previous rank (ratio - 1 under CP, else 0); slot_P: each
+    position's row in the gathered [cp x T] blocks.
     """
 
     ratio: int
@@ -40,13 +48,13 @@ class PoolPlan:
     pool_len_N: torch.Tensor
     pool_start_T: torch.Tensor
     visible_T: torch.Tensor
+    comm: SeqComm
+    halo: int
+    slot_P: torch.Tensor
 
     @classmethod
     def build(cls, layout: RowLayout, ratio: int, device: torch.device) -> PoolPlan:
-        if layout.comm.size != 1:
-            raise NotImplementedError(
-                "DeepSeek-V4.1 compressed caches need the whole pack on one rank (CP size 1)"
-            )
+        comm, t, g0 = layout.comm, layout.local_rows, layout.global_start
         cu = layout.cu_seqlens.to(device)
         start_N, len_N = cu[:-1], cu[1:] - cu[:-1]
         pool_len_N = len_N // ratio
@@ -54,20 +62,44 @@ class PoolPlan:
         seg_P = torch.repeat_interleave(torch.arange(len(len_N), device=device), pool_len_N)
         j_P = torch.arange(int(pool_len_N.sum()), device=device) - pool_start_N[seg_P]
         first_P = start_N[seg_P] + j_P * ratio
-        rows_T = torch.arange(layout.local_rows, device=device)
+        last_P = first_P + ratio - 1  # a position belongs to the rank holding its last row
+        owner_P = torch.div(last_P, t, rounding_mode="floor")
+        slot_P = owner_P * t + torch.arange(len(last_P), device=device)
+        slot_P -= torch.searchsorted(last_P, owner_P * t)
+        mine = owner_P == comm.rank
+        halo = ratio - 1 if comm.size > 1 else 0
+        rows_T = g0 + torch.arange(t, device=device)
         seg_T = torch.searchsorted(cu, rows_T, right=True) - 1
         inpos_T = rows_T - start_N[seg_T]
+        lo_N = (start_N - g0).clamp(0, t)
         return cls(
             ratio=ratio,
-            group_rows_PR=first_P[:, None] + torch.arange(ratio, device=device),
+            group_rows_PR=(first_P[mine] - g0 + halo)[:, None] + torch.arange(ratio, device=device),
             pos_P=j_P * ratio,
-            seg_start_N=start_N,
-            seg_len_N=len_N,
+            seg_start_N=lo_N,
+            seg_len_N=(start_N + len_N - g0).clamp(0, t) - lo_N,
             pool_start_N=pool_start_N,
             pool_len_N=pool_len_N,
             pool_start_T=pool_start_N[seg_T],
             visible_T=(inpos_T + 1) // ratio,
+            comm=comm,
+            halo=halo,
+            slot_P=slot_P,
         )
+
+    def local_input(self, x_TX: torch.Tensor) -> torch.Tensor:
+        """[halo rows of the previous rank ++ local rows]: what `group_rows_PR` indexes."""
+        if not self.halo:
+            return x_TX
+        return torch.cat([self.comm.left_rows(x_TX, self.halo), x_TX])
+
+    def gather(self, mine_PX: torch.Tensor) -> torch.Tensor:
+        """This rank's positions -> the pack's pool (sample order); backward sums over ranks."""
+        if self.comm.size == 1:
+            return mine_PX
+        t = len(self.visible_T)  # a rank owns at most T positions (one per last row)
+        block = F.pad(mine_PX, (0, 0, 0, t - mine_PX.shape[0]))
+        return self.comm.gather_rows(block).index_select(0, self.slot_P)
 
 
 class Compressor(nn.Module):
@@ -84,12 +116,14 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, eps)
 
     def forward(self, x_TD: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
+        return plan.gather(self._pool(plan.local_input(x_TD), plan.group_rows_PR))
+
+    def _pool(self, x_TD: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         if self.wgate is None:
-            return self.norm(self.wkv(x_TD.index_select(0, plan.group_rows_PR[:, 0])))
+            return self.norm(self.wkv(x_TD.index_select(0, rows[:, 0])))
         x32 = x_TD.float()
         kv_TD = nn.functional.linear(x32, self.wkv.weight.float())
         score_TD = nn.functional.linear(x32, self.wgate.weight.float())
-        rows = plan.group_rows_PR
         kv_PRD, score_PRD = kv_TD[rows], score_TD[rows]
         pooled = (kv_PRD * score_PRD.softmax(dim=1)).sum(dim=1)
         return self.norm(pooled.to(x_TD.dtype))

@@ -14,6 +14,8 @@ look-back (`EngramHash.row_ids`). Padding rows get no Engram write and are never
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -114,10 +116,20 @@ class DeepseekV41Model(DeepseekV4Model):
             self.engram_rows.set_token_map(token_map)
 
     def engram_row_ids(self, ids_T: torch.Tensor, layout: RowLayout) -> torch.Tensor | None:
-        """[T, L, C] Engram table rows of every row (offsets included), or None without Engram."""
+        """[T, L, C] Engram table rows of every row (offsets included), or None without Engram.
+
+        Under context parallelism the n-gram look-back reads the previous rank's last
+        max_n - 1 token ids (a sample that began there keeps its history; rows before the
+        sample's start still read the pad id)."""
         if self.engram_rows is None:
             return None
-        return self.engram_rows(ids_T, layout.seq_start_T)
+        halo = self.cfg.engram_max_ngram_size - 1 if layout.comm.size > 1 else 0
+        if not halo:
+            return self.engram_rows(ids_T, layout.seq_start_T)
+        ids = torch.cat([layout.comm.left_rows(ids_T, halo), ids_T])
+        start = layout.seq_start_T + halo
+        start = torch.cat([start.new_zeros(halo), start])  # the halo's own rows are dropped
+        return self.engram_rows(ids, start)[halo:]
 
     def forward(  # type: ignore[override]
         self,
@@ -156,17 +168,42 @@ class DeepseekV41Model(DeepseekV4Model):
         pad_T: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers, then the collapse of the streams by the last FFN's pre."""
+        pre_TK = torch.zeros(x_TKD.shape[:2], dtype=torch.float32, device=ids_T.device)
+        pre_TK[:, 0] = 1.0
+        shared = self.shared_cache(layout, ids_T.device)
+        x_TKD, pre_TK, _, aux = self.run_blocks(
+            self.layers, x_TKD, pre_TK, shared, ids_T, pos_T, layout, pad_T
+        )
+        return self.layers[-1].ffn_mix.collapse(x_TKD, pre_TK), aux
+
+    def shared_cache(self, layout: RowLayout, device: torch.device) -> SharedCache:
+        """An empty shared cache with the pool plans of every compressed ratio of the pack."""
+        ratios = sorted({r for r in self.cfg.compress_ratios if r})
+        return SharedCache(plans={r: PoolPlan.build(layout, r, device) for r in ratios})
+
+    def run_blocks(
+        self,
+        blocks: Iterable[nn.Module],
+        x_TKD: torch.Tensor,
+        pre_TK: torch.Tensor,
+        shared: SharedCache,
+        ids_T: torch.Tensor,
+        pos_T: torch.Tensor,
+        layout: RowLayout,
+        pad_T: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, SharedCache, torch.Tensor]:
+        """`blocks` in order (all of them, or one pipeline stage's): (streams, last FFN pre,
+        shared cache, summed balance loss)."""
         dev = ids_T.device
         routing = RoutingInputs.build(ids_T, layout, pad_T)
-        rows_TLC = self.engram_row_ids(ids_T, layout)
+        blocks = list(blocks)
+        rows_TLC = None
+        if any(b.engram is not None for b in blocks):
+            rows_TLC = self.engram_row_ids(ids_T, layout)
         keep_T = None if pad_T is None else ~pad_T.to(dev).bool()
-        ratios = sorted({r for r in self.cfg.compress_ratios if r})
-        shared = SharedCache(plans={r: PoolPlan.build(layout, r, dev) for r in ratios})
-        pre_TK = torch.zeros(x_TKD.shape[:2], dtype=torch.float32, device=dev)
-        pre_TK[:, 0] = 1.0
         aux = x_TKD.new_zeros((), dtype=torch.float32)
         engram_ids = self.cfg.engram_layer_ids
-        for block in self.layers:
+        for block in blocks:
             rows = None
             if block.engram is not None:
                 rows = rows_TLC[:, engram_ids.index(block.layer_idx)]
@@ -180,4 +217,4 @@ class DeepseekV41Model(DeepseekV4Model):
                 res = block(x_TKD, pre_TK, **kwargs)
             x_TKD, pre_TK, shared, layer_aux = res
             aux = aux + layer_aux
-        return self.layers[-1].ffn_mix.collapse(x_TKD, pre_TK), aux
+        return x_TKD, pre_TK, shared, aux

@@ -1,23 +1,22 @@
 """DeepSeek-V4.1's `ModelSpec`: how the rest of the package builds, cuts, loads and updates it.
 
-Shared with DeepSeek-V4: the expert-parallel cut, the router bias update. Not available for
-V4.1 yet (each refused with one line): pipeline and context parallelism, LoRA, and keeping the
-base as released.
+Shared with DeepSeek-V4: the expert-parallel and data-parallel cut, the router bias update. V4.1's
+own: the pipeline stage (the shared compressed cache crosses stage boundaries) and the CP
+boundaries (infra/). Not available for V4.1 yet (each refused with one line): LoRA, and keeping
+the base as released.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from primus_v4.errors import ConfigError
 from primus_v4.models.deepseek_v4 import spec as v4
 from primus_v4.models.deepseek_v4.config import PRESET_DIR
-from primus_v4.models.deepseek_v4.infra.cp_batch import CpSplitter
 from primus_v4.models.deepseek_v4.infra.parallelize import is_meta
-from primus_v4.models.deepseek_v4.infra.parallelize import parallelize as v4_parallelize
 from primus_v4.models.deepseek_v41.config import LAYER_KINDS, DeepseekV41Config
+from primus_v4.models.deepseek_v41.infra.cp_batch import CpSplitter, required_local_rows
+from primus_v4.models.deepseek_v41.infra.parallelize import parallelize
 from primus_v4.models.deepseek_v41.model import DeepseekV41Model
 from primus_v4.models.deepseek_v41.params import param_counts
 from primus_v4.models.deepseek_v41.release import config_json, export, load
@@ -30,18 +29,6 @@ def _refuse(what: str):
         raise ConfigError(f"DeepSeek-V4.1: {what} is not available yet")
 
     return refuse
-
-
-def parallelize(model: nn.Module, ctx: Any, **kwargs: Any) -> Any:
-    """Expert and data parallelism as DeepSeek-V4 (one pipeline stage, whole packs per rank)."""
-    if ctx.pp.size > 1 or ctx.cp.size > 1:
-        raise ConfigError("DeepSeek-V4.1: pipeline and context parallelism are not available yet")
-    return v4_parallelize(model, ctx, **kwargs)
-
-
-def _cp_min_rows(cfg: DeepseekV41Config) -> int:
-    del cfg
-    return 1
 
 
 def _config_json(cfg: DeepseekV41Config) -> dict[str, Any]:
@@ -62,7 +49,7 @@ SPEC = ModelSpec(
     build=DeepseekV41Model,
     parallelize=parallelize,
     is_meta=is_meta,
-    cp_min_rows=_cp_min_rows,
+    cp_min_rows=required_local_rows,
     cp_splitter=CpSplitter,
     step_hooks=v4._step_hooks,
     add_adapters=_refuse("LoRA"),

@@ -205,6 +205,8 @@ class CpSplitter:
     rank, matching the cp replicated copies of the balance loss that rank objectives add up).
     """
 
+    required_rows = staticmethod(required_local_rows)  # a family's own boundary rows
+
     def __init__(
         self,
         cp_axis: Any,
@@ -218,7 +220,7 @@ class CpSplitter:
         self.rank, self.size = cp_axis.rank, cp_axis.size
         self.mtp_depths = int(model_cfg.mtp_num_layers or 0)
         # one rank holds the whole pack: no boundary rows to hand on
-        self.min_rows = required_local_rows(model_cfg) if self.size > 1 else 1
+        self.min_rows = self.required_rows(model_cfg) if self.size > 1 else 1
         self.packed, self.device = packed, torch.device(device)
         self._cache: list[tuple[ThdBatch, CpShard]] = []
 

@@ -51,12 +51,14 @@ def parallelize(
     seed: int | None = None,
     weights: Callable[[nn.Module], None] | None = None,
     prepare: Callable[[nn.Module], None] | None = None,
+    stage_builder: Callable[..., nn.Module] = build_stage,
 ) -> Parallelized:
     """Apply pipeline and expert parallelism of `ctx` to a full DeepseekV4Model; a meta-device
     model is materialized on `device` afterwards under `seed` (see `materialize`), or filled by
     `weights(rank_model)` (a pretrained checkpoint: only what the rank keeps is read).
     `prepare(rank_model)` runs first, before anything is allocated (e.g. keeping the base as
-    released: release_base.keep_release_base)."""
+    released: release_base.keep_release_base). `stage_builder(model, spec, packed=)` cuts the
+    pipeline stage (a family whose stages send more than the streams brings its own)."""
     if ctx.pp.size == 1 and ctx.ep.size == 1:
         _materialize_or_fill(model, device=device, seed=seed, weights=weights, prepare=prepare)
         return Parallelized(model=model)
@@ -70,7 +72,7 @@ def parallelize(
             layout=pp_layout,
         )
         spec = specs[ctx.pp.rank]
-        model = build_stage(model, spec, packed=packed)
+        model = stage_builder(model, spec, packed=packed)
         log.info("pipeline stage %d/%d: %s", spec.index, ctx.pp.size, spec.symbols)
     if ctx.ep.size > 1:
         layers = apply_expert_parallel(model, ctx.ep)

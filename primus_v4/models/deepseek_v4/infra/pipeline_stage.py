@@ -115,14 +115,8 @@ class PipelineStageModel(DeepseekV4Model):
         Returns the streams (non-last stages) or (main CE sum, per-depth MTP CE sums..., aux) of
         this micro-batch (last stage; the runner's loss function turns them into the objective).
         """
-        ids_T = token_ids.reshape(-1)
-        t = ids_T.shape[0]
-        if self.packed:
-            cu = strip_cu_seqlens(cu_seqlens)
-            layout = RowLayout.from_cu_seqlens(cu, local_rows=t, comm=self.comm)
-        else:
-            layout = RowLayout.unpacked(t, comm=self.comm)
-        pos_T, pad_T = position_ids.reshape(-1), padding_mask.reshape(-1)
+        ids_T, layout, pos_T, pad_T = self._stage_rows(token_ids, position_ids, cu_seqlens,
+                                                       padding_mask)  # fmt: skip
         x_TKD = lift_streams(self.embedding(ids_T), self.cfg.hc_mult) if self.is_first else x
         routing = RoutingInputs.build(ids_T, layout, pad_T)
         aux = x_TKD.new_zeros((), dtype=torch.float32)
@@ -133,16 +127,39 @@ class PipelineStageModel(DeepseekV4Model):
             )  # fmt: skip
             aux = aux + layer_aux
         if not self.is_last:
-            samples = aux_samples.reshape(())  # this pack's sample count
-            self.aux_total += float(aux.detach() * samples)
             if x_TKD.dtype != self.stream_dtype:
                 raise TypeError(
                     f"stage {self.spec.index} sends {x_TKD.dtype} streams but the receive buffers "
                     f"are {self.stream_dtype}"
                 )
-            return _AttachAux.apply(x_TKD, aux, samples * self.aux_scale)
+            return self._attach_aux(x_TKD, aux, aux_samples)
         return self._last_stage(x_TKD, ids_T, pos_T, layout, pad_T, labels, loss_mask, aux,
                                 (mtp_ids, mtp_labels, mtp_mask))  # fmt: skip
+
+    def _stage_rows(
+        self,
+        token_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        padding_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, RowLayout, torch.Tensor, torch.Tensor]:
+        """(ids [T], the RowLayout rebuilt from the stacked cu_seqlens, positions, padding)."""
+        ids_T = token_ids.reshape(-1)
+        t = ids_T.shape[0]
+        if self.packed:
+            cu = strip_cu_seqlens(cu_seqlens)
+            layout = RowLayout.from_cu_seqlens(cu, local_rows=t, comm=self.comm)
+        else:
+            layout = RowLayout.unpacked(t, comm=self.comm)
+        return ids_T, layout, position_ids.reshape(-1), padding_mask.reshape(-1)
+
+    def _attach_aux(
+        self, x_TKD: torch.Tensor, aux: torch.Tensor, aux_samples: torch.Tensor
+    ) -> torch.Tensor:
+        """The streams a non-last stage sends, carrying its balance loss's backward."""
+        samples = aux_samples.reshape(())  # this pack's sample count
+        self.aux_total += float(aux.detach() * samples)
+        return _AttachAux.apply(x_TKD, aux, samples * self.aux_scale)
 
     def _last_stage(
         self,
