@@ -13,7 +13,7 @@ python -m pip install -q -e '.[test]'
 ruff check .
 ruff format --check .
 lint-imports --no-cache
-if compgen -G "run_scripts/*.sh" >/dev/null; then shellcheck run_scripts/*.sh run_scripts/lib/*.sh tests/run.sh tests/scripts/*.sh .ci/run; fi
+if compgen -G "run_scripts/*.sh" >/dev/null; then shellcheck run_scripts/*.sh run_scripts/lib/*.sh run_scripts/slurm/*.sh run_scripts/k8s/*.sh tests/gpu/*.sh tests/run.sh tests/scripts/*.sh .ci/run; fi
 if [ -f Dockerfile ]; then hadolint Dockerfile; fi
 bash tests/scripts/wheel_check.sh python
 python -m pytest -q -p no:cacheprovider "$@"
