@@ -14,6 +14,11 @@ to the memory plan's (`memory.activations.layer_parts_v41`), then the step's pea
 plan's backward phase. GEMMs are skipped by default (zeros of the exact shape and dtype, see the
 V4 benchmark).
 
+Measured here (2 shared CPU cores, GEMMs skipped), plan / measured per role: 512 tokens,
+1.000-1.001 (step peak 0.877: a fixed ~0.4 GiB of backward temporaries the plan does not
+itemize); 1024 tokens, 1.000-1.001 (step peak 0.960, 4.867 of 5.071 GiB); 1024 tokens took 11
+minutes.
+
     python benchmarks/bench_activation_width_v41.py                 # 1024 tokens, minutes
     python benchmarks/bench_activation_width_v41.py --seq 2048 --detail
 """

@@ -4,6 +4,9 @@
 # chunked LM head + cross-entropy, Engram frozen and sharded. From the memory plan:
 #   MI300X (192 GiB): 8 nodes x 8 GPUs, TP1 PP4 CP8 EP16 (DP2), bf16 gradient buckets, offload 0.9
 #   MI355X (288 GiB): 4 nodes x 8 GPUs, TP1 PP4 CP8 EP8 (DP1), fp32 gradient buckets, offload 0.9
+# Memory (DRY_RUN=1), GiB per GPU, stages 0 / 1 / 2 / 3 (layout Et*8|t*9|t*11|t*12L):
+#   MI300X: 145.1 / 135.3 / 114.5 / 111.8, 76% of 192
+#   MI355X: 214.6 / 212.1 / 199.5 / 206.7, 75% of 288
 # PRIMUS_SEQ_LENGTH=65536 runs 64k packs on the same layout. Sets the long-context knobs, then
 # execs run_v41_flash_full_thd_multinode.sh.
 #

@@ -11,7 +11,10 @@
 #   MASTER_ADDR=<node 0> NODE_RANK=<0..7> bash run_scripts/run_v41_flash_full_thd_multinode.sh
 #   DRY_RUN=1 MASTER_ADDR=x NODE_RANK=0 PRIMUS_DEVICE_MEMORY=MI355X bash run_scripts/run_v41_flash_full_thd_multinode.sh
 # Memory (`primus-v4 inspect memory`, printed by DRY_RUN=1), GiB per GPU, stages 0 / 1 / 2 / 3,
-# sparse attention counted as the largest saved set auto may pick on a GPU; see the recipe tests.
+# recompute selective layernorm,mla_up_proj,core_attn, fp32 gradient buckets, Engram ~6 GiB per
+# GPU on the stages holding layers 1 and 14 (sharded; replicated it would be ~100 GB a table):
+#   MI300X: 156.4 / 137.5 / 113.4 / 110.9, 81% of 192
+#   MI355X: 236.5 / 217.6 / 187.7 / 185.1, 82% of 288
 # How long: the dry run takes about a minute; the step time is not measured yet.
 set -euo pipefail
 export PRIMUS_RECIPE="${PRIMUS_RECIPE:-$0}"
