@@ -101,3 +101,14 @@ def test_later_stages_receive_the_shared_caches() -> None:
     chunk = max(1, SCORE_ELEMS // (cfg.index_n_heads * p))
     scores = first["indexer scores, chunked by query rows"][0]
     assert scores == 4 * chunk * cfg.index_n_heads * p + 12 * chunk * p
+
+
+def test_inspect_memory_prints_a_v41_plan(capsys) -> None:
+    from primus_v4.cli import main
+
+    assert main(["inspect", "memory", "--set", "model.preset=tiny_v41", "--set",
+                 "data.seq_length=512", "--set", "model.engram.placement=host"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "memory plan per rank: world 1 = pp 1 x cp 1 x dp 1, ep 1; tiny_v41" in out
+    assert "1 ratio1 reuse +engram layers: saved activations x 1 micro-batch" in out
+    assert "Engram tables, FP8 + e8m0, in host memory" in out
