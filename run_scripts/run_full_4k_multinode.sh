@@ -84,6 +84,9 @@ PRIMUS_LORA_ALPHA="${PRIMUS_LORA_ALPHA:-16}"
 PRIMUS_LORA_TARGETS="${PRIMUS_LORA_TARGETS:-}"                # comma-separated; empty = default
 PRIMUS_LORA_EXPERTS="${PRIMUS_LORA_EXPERTS:-per_expert}"      # per_expert | shared
 PRIMUS_LORA_BASE="${PRIMUS_LORA_BASE:-bfloat16}"              # bfloat16 | release (FP8/FP4 kept)
+# DeepSeek-V4.1's Engram tables (empty = the config's: frozen, replicated)
+PRIMUS_ENGRAM_PLACEMENT="${PRIMUS_ENGRAM_PLACEMENT:-}" # replicated | sharded | host
+PRIMUS_ENGRAM_TRAINABLE="${PRIMUS_ENGRAM_TRAINABLE:-}" # false | true
 
 # --- data: corpus, packing, node-local cache ---------------------------------------------------
 PRIMUS_DATA_PATH="${PRIMUS_DATA_PATH:-tatsu-lab/alpaca}" # file, dir, hub name or `synthetic`
@@ -156,6 +159,8 @@ if [[ "${PRIMUS_LORA_RANK}" != "0" ]]; then
     primus_add_set model.lora.targets "[${PRIMUS_LORA_TARGETS}]"
   fi
 fi
+primus_add_set_if model.engram.placement "${PRIMUS_ENGRAM_PLACEMENT}"
+primus_add_set_if model.engram.trainable "${PRIMUS_ENGRAM_TRAINABLE}"
 primus_add_set output.dir "${PRIMUS_OUTPUT_DIR}"
 primus_add_set checkpoint.dir "${PRIMUS_CKPT_DIR}"
 primus_add_set checkpoint.interval "${PRIMUS_CKPT_INTERVAL}"

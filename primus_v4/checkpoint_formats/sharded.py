@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import os
 import shutil
 import threading
@@ -346,6 +347,31 @@ class CheckpointReader:
             if not direct:
                 dst.copy_(host)
         return kind
+
+    def read_stored_rows(self, name: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [lo, hi) of FP8 weight `name` with a per-row scale block (one scale row per
+        weight row), undecoded: (uint8 codes [hi - lo, K], uint8 scales [hi - lo, K / block]).
+        Only those rows' bytes are read."""
+        scale = self._scale_of.get(name)
+        if scale is None:
+            raise CheckpointFormatError(
+                f"{self.directory / self.shard_of(name)}: '{name}' has no scale tensor; a row "
+                "read needs FP8 rows with per-row scales"
+            )
+        out = []
+        for part in (name, scale):
+            stored = self._stored(part)
+            if stored.dtype.itemsize != 1 or not 0 <= lo <= hi <= stored.shape[0]:
+                raise CheckpointFormatError(
+                    f"{self.directory / stored.shard}: '{part}' is stored {list(stored.shape)} "
+                    f"{stored.dtype}; rows [{lo}, {hi}) of one-byte codes cannot be read from it"
+                )
+            row = math.prod(stored.shape[1:])
+            rows = torch.empty(hi - lo, *stored.shape[1:], dtype=torch.uint8)
+            self._pread(stored, rows, lo * row)
+            self._count(rows.numel())
+            out.append(rows)
+        return out[0], out[1]
 
     def _decode_into(self, name: str, kind: str, out: torch.Tensor) -> None:
         """Dequantize `name` into the contiguous CPU tensor `out`, a row chunk at a time."""

@@ -167,6 +167,28 @@ class LoraConfig:
 
 
 @dataclass(kw_only=True)
+class EngramConfig:
+    """Where a DeepSeek-V4.1 model's Engram tables live (other families have none)."""
+
+    trainable: bool = False
+    """False: the tables stay frozen in their release encoding (FP8 e4m3 + an e8m0 scale per
+    32 values of a row); True: they train (decoded into model.dtype, with optimizer state for
+    the rows a rank holds)."""
+    placement: Literal["replicated", "sharded", "host"] = "replicated"
+    """`replicated`: every rank holds whole tables; `sharded`: each rank of the data-parallel
+    group holds 1/n of every table's rows and a step fetches from their owners only the rows
+    its packs hash to; `host`: the tables stay in host memory and a step copies its rows to
+    the device."""
+
+    def __post_init__(self) -> None:
+        _require(
+            not (self.trainable and self.placement == "host"),
+            "model.engram.placement",
+            "host holds frozen tables only; a trainable Engram is replicated or sharded",
+        )
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     """Which model to build."""
 
@@ -201,6 +223,8 @@ class ModelConfig:
     collapse + RMSNorm before attention and MoE), `mla_up_proj` (query up-projection, its norm
     and RoPE), `core_attn` (sparse attention and the output-group split), `shared_experts`,
     `moe` (the whole MoE); None = [layernorm, mla_up_proj, core_attn]."""
+    engram: EngramConfig = field(default_factory=EngramConfig)
+    """DeepSeek-V4.1's Engram tables: frozen or trainable, and where they are held."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA fine-tuning (model.lora.rank > 0): adapters on the named modules, the base frozen;
     only adapters get gradients, optimizer state and checkpoint bytes."""

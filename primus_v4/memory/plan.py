@@ -30,9 +30,13 @@ from primus_v4.memory.activations import (
     kept,
     layer_flops,
     layer_parts,
+    layer_parts_v41,
     mtp_extra,
     recompute_flops,
     step_flops,
+    v41_index_scores,
+    v41_role,
+    v41_shared_bytes,
 )
 from primus_v4.models import spec_of
 from primus_v4.models.common.recompute import selected
@@ -114,6 +118,7 @@ class _Param(NamedTuple):
     expert: bool  # sharded over EP: its state is sharded over expert-DP
     tied: bool  # the pipeline-tied embedding (its bucket stays float32)
     trainable: bool  # frozen ones (the indexer; a LoRA run's base) are weights only
+    owned: bool = False  # held by one rank only (sharded Engram rows): no replicas to shard over
 
 
 @dataclass
@@ -152,6 +157,39 @@ def _count_kept(model: Any, kept: list[_Kept], specs: list[Any], has_mtp: bool, 
                 kept[s].biggest = max(kept[s].biggest, decoded)
 
 
+@dataclass
+class _EngramBytes:
+    """A stage's frozen Engram tables at their placement (`model.engram`), per rank."""
+
+    stored: float = 0.0  # FP8 codes + e8m0 scales this rank holds
+    ranks: int = 1  # ranks the rows are spread over (sharded)
+
+    def rows(self, plan: MemoryPlan, engram: Any) -> None:
+        if not self.stored:
+            return
+        if engram.placement == "host":
+            plan.add("Engram tables, FP8 + e8m0, in host memory", 0, self.stored)
+            return
+        where = f"sharded over {self.ranks} ranks" if self.ranks > 1 else "replicated"
+        plan.add(f"Engram tables, FP8 + e8m0 ({where})", self.stored)
+
+
+def _engram_param(name: str, p: Any, run: Any, specs: list[Any],
+                  per_stage: list[list[_Param]], engram: list[_EngramBytes]) -> None:  # fmt: skip
+    """An Engram table where `model.engram` puts it: frozen, its release encoding (1 byte per
+    value + one e8m0 byte per 32) replicated, sharded over the stage's ranks or on the host;
+    trainable (sharded or replicated), a parameter whose optimizer state covers the rows held."""
+    cfg, sizes = run.cfg.model.engram, run.sizes
+    ranks = sizes.world // sizes.pp if cfg.placement == "sharded" else 1
+    for s in _stage_of(name, specs, False):
+        if cfg.trainable:
+            numel = math.ceil(p.numel() / ranks)
+            per_stage[s].append(_Param(name, numel, False, False, True, owned=ranks > 1))
+        else:
+            engram[s].stored += math.ceil(p.numel() / ranks) * 33 / 32
+            engram[s].ranks = ranks
+
+
 def _is_expert_shard(name: str, lora: Any) -> bool:
     """Expert weights, and per-expert LoRA adapters, are cut [E, ...] -> [E / ep, ...]."""
     last = name.rsplit(".", 1)[-1]
@@ -167,12 +205,12 @@ def _static_rows(plan: MemoryPlan, run: Any, everything: list[_Param]) -> None:
     dp_cp = sizes.world // (sizes.pp * sizes.cp) * sizes.cp
     expert_dp = sizes.world // (sizes.ep * sizes.pp)
     weights = sum(p.numel for p in everything) * d
-    params = [p[:4] for p in everything if p.trainable]
+    params = [p for p in everything if p.trainable]
     lean = cfg.optim.grad_accum_dtype == "bfloat16"
     chunks, padded, shards = [], 0, 0
     lean_padded = lean_shards = lean_alone = 0  # bf16 buckets; their fp32 shards / copies
-    for _, numel, expert, tied in params:
-        n = expert_dp if expert else dp_cp
+    for _, numel, expert, tied, _, owned in params:
+        n = 1 if owned else expert_dp if expert else dp_cp
         c = math.ceil(numel / n)
         chunks.append(c)
         if lean and not tied:  # the tied embedding's bucket stays float32
@@ -225,7 +263,19 @@ def saved_parts(cfg: Any, layer: int | None, *, rows: int, seq: int, b: int,
         for name, v in mtp_extra(cfg, rows=rows, b=b).items():
             parts[name] = parts.get(name, 0.0) + v
         return parts
+    if is_v41(cfg):
+        return layer_parts_v41(cfg, layer, **kw)
     return layer_parts(cfg, cfg.layer_kind(layer), hashed=layer < cfg.num_hash_layers, **kw)
+
+
+def is_v41(cfg: Any) -> bool:
+    """DeepSeek-V4.1's layer roles, shared caches and Engram (the memory terms it adds)."""
+    return getattr(cfg, "family", "") == "deepseek_v41"
+
+
+def layer_role(cfg: Any, layer: int) -> str:
+    """How the plan groups layer `layer`: V4's kind, or V4.1's role (`v41_role`)."""
+    return v41_role(cfg, layer) if is_v41(cfg) else cfg.layer_kind(layer)
 
 
 def cfg_kind(cfg: Any, layer: int | None) -> str:
@@ -263,7 +313,7 @@ def activation_rows(plan: MemoryPlan, cfg: Any, spec: Any, *, seq: int, cp: int,
             routed_in = t * cfg.moe_router_topk * cfg.hidden_size * b
             kept_[-1] -= max(parts.get("experts", 0.0) - routed_in, 0.0)
         each = t * cfg.hc_mult * cfg.hidden_size * b if full_recompute else kept_[-1]
-        kind = "mtp" if layer is None else cfg.layer_kind(layer)
+        kind = "mtp" if layer is None else layer_role(cfg, layer)
         by_kind.setdefault(kind, []).append(each)
     what = "input streams (full recompute)" if full_recompute else "saved activations"
     if chosen:
@@ -282,6 +332,8 @@ def activation_rows(plan: MemoryPlan, cfg: Any, spec: Any, *, seq: int, cp: int,
         grads = 5 * t * cfg.num_attention_heads * cfg.kv_channels * b
         label = " + its recompute" if again else ""
         plan.add(f"backward working set (one layer{label})", again + grads, phase="backward")
+    if is_v41(cfg) and spec.decoder_layers:
+        v41_rows(plan, cfg, spec, seq=seq, t=t, held=held)
     if spec.has_loss:
         calls = 1 + len(spec.mtp_depths)
         v, dim = cfg.vocab_size, cfg.hidden_size
@@ -298,6 +350,25 @@ def activation_rows(plan: MemoryPlan, cfg: Any, spec: Any, *, seq: int, cp: int,
         plan.add(f"CE transient: {two} x fp32 logits [{chunk}, V]{product}",
                  two * chunk * v * 4 + dw, phase="backward")  # fmt: skip
     plan.notes.append(recompute_note(cfg, layers, seq=seq))
+
+
+def v41_rows(plan: MemoryPlan, cfg: Any, spec: Any, *, seq: int, t: int, held: int) -> None:
+    """DeepSeek-V4.1's terms outside the layers' saved sets: the shared caches a stage receives
+    from an earlier kv / index source (a stage cut inside a sharing run: the pool, index keys,
+    selection and candidates travel with the streams, one set per micro-batch in flight), the
+    forward's own shared cache (its selection and candidates live until the forward ends), and
+    the indexer's scores, chunked by query rows."""
+    first = spec.decoder_layers[0]
+    shared = v41_shared_bytes(cfg, rows=t, seq=seq)
+    reads = cfg.compress_ratios[first] and first not in cfg.kv_source_layer_ids
+    if reads and shared:
+        plan.add(f"shared caches received from the stage before (x {held} micro-batch)",
+                 held * sum(shared.values()), phase="backward")  # fmt: skip
+    if shared:
+        plan.add("this forward's shared cache (pool, keys, selection, candidates)",
+                 sum(shared.values()), phase="backward")  # fmt: skip
+        plan.add("indexer scores, chunked by query rows", v41_index_scores(cfg, seq=seq),
+                 phase="backward")  # fmt: skip
 
 
 def recompute_note(cfg: Any, layers: list[int | None], *, seq: int) -> str:
@@ -346,7 +417,11 @@ def plan_memory(
     if lora.keeps_release:
         _count_kept(model, kept, specs, has_mtp, ep=sizes.ep, b=_dtype_bytes(run))
     per_stage: list[list[_Param]] = [[] for _ in specs]
+    engram = [_EngramBytes() for _ in specs]
     for name, p in model.named_parameters():
+        if name.endswith(".engram.table"):
+            _engram_param(name, p, run, specs, per_stage, engram)
+            continue
         expert = sizes.ep > 1 and _is_expert_shard(name, run.cfg.model.lora)
         numel = p.numel() // (sizes.ep if expert else 1)
         stages = _stage_of(name, specs, has_mtp)
@@ -359,6 +434,7 @@ def plan_memory(
         plan = MemoryPlan(stage=spec.index,
                           device_bytes=device_gb * GIB if device_gb else None)  # fmt: skip
         _static_rows(plan, run, params)
+        engram[spec.index].rows(plan, run.cfg.model.engram)
         kept[spec.index].rows(plan)
         activation_rows(plan, cfg, spec, seq=run.cfg.data.seq_length, cp=sizes.cp,
                         b=_dtype_bytes(run), held=in_flight(micro, sizes.pp, spec.index),

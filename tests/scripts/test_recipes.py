@@ -203,3 +203,44 @@ def test_pretrained_without_config_json_fails_early(tmp_path):
     )
     assert run.returncode != 0
     assert f"PRIMUS_PRETRAINED={tmp_path} has no config.json" in run.stderr
+
+
+V41_LAYOUTS = {  # (script, device): nnodes, pp, cp, ep, seq
+    ("run_v41_flash_full_thd_multinode.sh", "MI300X"): (8, 4, 1, 16, 4096),
+    ("run_v41_flash_full_thd_multinode.sh", "MI355X"): (4, 4, 1, 8, 4096),
+    ("run_v41_flash_full_128k_thd_multinode.sh", "MI300X"): (8, 4, 8, 16, 131072),
+    ("run_v41_flash_full_128k_thd_multinode.sh", "MI355X"): (4, 4, 8, 8, 131072),
+}
+
+
+@pytest.mark.parametrize("script,device", list(V41_LAYOUTS))
+def test_v41_flash_full_recipes_fit_their_device(tmp_path, script, device):
+    """DeepSeek-V4.1-Flash full fine-tunes: the layout each device needs, Engram frozen and
+    sharded, every stage's plan at most 90% of the device."""
+    run = run_recipe(script, tmp_path, timeout=300, **MULTINODE, PRIMUS_MEMORY_PLAN="1",
+                     PRIMUS_DEVICE_MEMORY=device)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    r = run.resolved
+    assert (r["nnodes"], r["pp"], r["cp"], r["ep"], r["seq_length"]) == V41_LAYOUTS[script, device]
+    assert r["model_preset"] == "deepseek_v41_flash" and r["num_layers"] == 40
+    assert "--set model.engram.placement=sharded --set model.engram.trainable=false" in run.command
+    assert "Engram tables, FP8 + e8m0 (sharded over" in run.stderr
+    gib = {"MI300X": 192, "MI355X": 288}[device]
+    assert max(_stage_peaks(run.stderr)) <= 0.9 * gib, run.stderr
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DeepSeek-V4.1 LoRA on a base kept as released (spec add_adapters / keep_release) is "
+    "not in this tree yet; the dry run stops with that one line until it is",
+)
+def test_one_node_v41_flash_lora_fits_an_mi300x(tmp_path):
+    run = run_recipe("run_v41_flash_lora_1node.sh", tmp_path, timeout=300,
+                     PRIMUS_MEMORY_PLAN="1")  # fmt: skip
+    assert run.returncode == 0, run.stderr.strip().splitlines()[-1]
+    r = run.resolved
+    assert (r["nnodes"], r["pp"], r["cp"], r["ep"]) == (1, 1, 1, 8)
+    assert r["lora"]["rank"] == 16 and r["lora"]["base"] == "release"
+    assert "base weights as released (FP8 / FP4 + ue8m0 scales)" in run.stderr
+    assert "Engram tables, FP8 + e8m0 (sharded over 8 ranks)" in run.stderr
+    assert max(_stage_peaks(run.stderr)) <= 0.9 * 192, run.stderr

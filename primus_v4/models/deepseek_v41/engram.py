@@ -138,9 +138,14 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(k, d))
         self.k_weight = nn.Parameter(torch.ones(k, d))
 
+    def table_rows(self, rows_TC: torch.Tensor) -> torch.Tensor:
+        """[T, C, E] table rows: from `table`, or from where `engram_placement` put them."""
+        placed = getattr(self, "placed", None)
+        return self.table[rows_TC] if placed is None else placed(rows_TC)
+
     def forward(self, x_TKD: torch.Tensor, rows_TC: torch.Tensor, mask_T: torch.Tensor | None):
         """mask_T: False on rows that take no Engram write (padding)."""
-        emb_TX = self.table[rows_TC].flatten(1)
+        emb_TX = self.table_rows(rows_TC).flatten(1)
         key_TX, value_TD = self.wkv(emb_TX).split([self.k * self.d, self.d], dim=-1)
         key_TKD = key_TX.float().unflatten(-1, (self.k, self.d))
         h = x_TKD.float()
