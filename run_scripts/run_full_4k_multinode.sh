@@ -88,7 +88,7 @@ PRIMUS_PACK_ALGORITHM="${PRIMUS_PACK_ALGORITHM:-ffd}"
 # Node-local scratch, per user: a shared filesystem here gives NFS lock errors (ESTALE) and
 # cross-node cache races; a shared /tmp name collides between users.
 PRIMUS_LOCAL_ROOT="${PRIMUS_LOCAL_ROOT:-${TMPDIR:-/tmp}/primus_v4-$(id -u)}"
-PRIMUS_PACK_CACHE_DIR="${PRIMUS_PACK_CACHE_DIR:-${PRIMUS_LOCAL_ROOT}/pack_cache}"
+PRIMUS_PACK_CACHE_DIR="${PRIMUS_PACK_CACHE_DIR:-${PRIMUS_LOCAL_ROOT}/packs}"
 PRIMUS_PACK_LOCK_DIR="${PRIMUS_PACK_LOCK_DIR:-${PRIMUS_LOCAL_ROOT}/locks}"
 export HF_DATASETS_CACHE="${HF_DATASETS_CACHE:-${PRIMUS_LOCAL_ROOT}/hf_datasets}"
 

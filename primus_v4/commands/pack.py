@@ -54,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-dir",
         default=None,
-        help="node-local cache dir (default $PRIMUS_PACK_CACHE_DIR or $TMPDIR/primus_v4-UID/packs)",
+        help="node-local cache dir (default $PRIMUS_PACK_CACHE_DIR, else $PRIMUS_LOCAL_ROOT/packs "
+        "with PRIMUS_LOCAL_ROOT defaulting to $TMPDIR/primus_v4-UID: the one train and the "
+        "recipes read)",
     )
     parser.add_argument(
         "--algorithm",
@@ -90,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lock-dir",
         default=None,
-        help="node-local lock dir (default $PRIMUS_PACK_LOCK_DIR or $TMPDIR/primus_v4-UID/locks)",
+        help="node-local lock dir (default $PRIMUS_PACK_LOCK_DIR, else $PRIMUS_LOCAL_ROOT/locks)",
     )
     parser.add_argument(
         "--lock-timeout",

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         if os.environ.get("NODE_RANK", "0") == "0":  # other nodes' checks race node 0's start
             run_dirs.check(cfg)
-        payload = {**to_dict(cfg), "derived": resolved.summary()}
+        payload = {**to_dict(cfg), "derived": {**resolved.summary(), **_pack_caches(resolved)}}
         print(json.dumps(payload, separators=(",", ":"), sort_keys=False))
         return 0
 
@@ -104,6 +104,17 @@ def run(args: argparse.Namespace) -> int:
 
     with run_dirs.claim(cfg) if main_rank else contextlib.nullcontext():
         return execute(Trainer(resolved))
+
+
+def _pack_caches(resolved: Any) -> dict[str, Any]:
+    """The pack cache entries the run reads ({dir, key, hit}), for the dry run to show whether
+    packs built ahead (`primus-v4 pack`) are the ones the run will load."""
+    from primus_v4.data.pipeline import cache_lookup
+
+    out = {"pack_cache": cache_lookup(resolved.data)}
+    if resolved.eval_data is not None:
+        out["eval_pack_cache"] = cache_lookup(resolved.eval_data)
+    return out
 
 
 def _resumes(cfg: Any) -> bool:
