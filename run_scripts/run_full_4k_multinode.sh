@@ -78,6 +78,8 @@ PRIMUS_LORA_ALPHA="${PRIMUS_LORA_ALPHA:-16}"
 PRIMUS_LORA_TARGETS="${PRIMUS_LORA_TARGETS:-}"                # comma-separated; empty = default
 PRIMUS_LORA_EXPERTS="${PRIMUS_LORA_EXPERTS:-per_expert}"      # per_expert | shared
 PRIMUS_LORA_BASE="${PRIMUS_LORA_BASE:-bfloat16}"              # bfloat16 | release (FP8/FP4 kept)
+# Adapters on random weights (no PRIMUS_PRETRAINED) are refused unless this is 1.
+PRIMUS_LORA_ALLOW_RANDOM_BASE="${PRIMUS_LORA_ALLOW_RANDOM_BASE:-0}"
 
 # --- data: corpus, packing, node-local cache ---------------------------------------------------
 PRIMUS_DATA_PATH="${PRIMUS_DATA_PATH:-tatsu-lab/alpaca}" # file, dir, hub name or `synthetic`
@@ -145,6 +147,9 @@ if [[ "${PRIMUS_LORA_RANK}" != "0" ]]; then
   primus_add_set model.lora.alpha "${PRIMUS_LORA_ALPHA}"
   primus_add_set model.lora.expert_adapters "${PRIMUS_LORA_EXPERTS}"
   primus_add_set model.lora.base "${PRIMUS_LORA_BASE}"
+  if [[ "${PRIMUS_LORA_ALLOW_RANDOM_BASE}" == "1" ]]; then
+    primus_add_set model.lora.allow_random_base true
+  fi
   if [[ -n "${PRIMUS_LORA_TARGETS}" ]]; then
     primus_add_set model.lora.targets "[${PRIMUS_LORA_TARGETS}]"
   fi

@@ -35,7 +35,12 @@ from primus_v4.models.deepseek_v4.lora import LoraSpec, apply_lora, merged_weigh
 from primus_v4.models.deepseek_v4.release.load import load_pretrained
 from primus_v4.training.checkpoint.store import step_dir
 
-LORA = ["model.lora.rank=4", "model.lora.alpha=8", "train.lr=0.05"]
+LORA = [
+    "model.lora.rank=4",
+    "model.lora.allow_random_base=true",
+    "model.lora.alpha=8",
+    "train.lr=0.05",
+]
 SHARED = ["wkv", "wo_a", "shared_experts.w3", "experts.w3"]
 RUNS = {
     "per_expert": [f"model.lora.targets=[{', '.join(LORA_TARGETS)}]"],
