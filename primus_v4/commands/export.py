@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     check_apart(Path(args.out), args.run, source)
     with tqdm(
         total=release_tensor_count(source), desc="exporting", unit="tensor",
-        disable=args.no_progress,
+        disable=args.no_progress or not sys.stderr.isatty(),
     ) as bar:  # fmt: skip
         summary = export_checkpoint(
             source,

@@ -201,7 +201,8 @@ class _Progress:
         from tqdm import tqdm
 
         self.close()
-        self._bar = tqdm(total=total, desc=desc, unit=" items", disable=self.disable)
+        unit = {"tokenize": " rows", "pack": " samples"}.get(desc, " items")
+        self._bar = tqdm(total=total, desc=desc, unit=unit, disable=self.disable)
         return self._bar.update
 
     def close(self) -> None:
