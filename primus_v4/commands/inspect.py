@@ -285,7 +285,8 @@ def _memory_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _memory_run(args: argparse.Namespace) -> int:
     from primus_v4.config import load_config, resolve_run
-    from primus_v4.memory.gate import parse_device, report
+    from primus_v4.errors import OverMemoryError
+    from primus_v4.memory.gate import MemoryPlanError, check_fits, parse_device, report
     from primus_v4.memory.plan import plan_memory
 
     device, gib = parse_device(args.device_memory)
@@ -295,8 +296,12 @@ def _memory_run(args: argparse.Namespace) -> int:
         for p in plans:
             print(json.dumps({"stage": p.stage, "device_bytes": p.device_total,
                               "host_bytes": p.host_total, "rows": p.rows}))  # fmt: skip
-        return 0
-    print(report(run, plans, device, gib))
+    else:
+        print(report(run, plans, device, gib))
+    try:  # the launch gate's check and line; a script can tell a plan that fits by the status
+        check_fits(plans, device=device, gib=gib, ignore=False)
+    except MemoryPlanError as exc:
+        raise OverMemoryError(str(exc)) from None
     return 0
 
 

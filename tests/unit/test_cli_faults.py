@@ -510,6 +510,15 @@ def _(ws: Ws):
     yield ["inspect", "memory", "--world-size", "0"]
 
 
+@case(
+    "inspect memory: a stage over the device",
+    ExitCode.OVER_MEMORY,
+    "memory plan: pipeline stage 0 needs",
+)
+def _(ws: Ws):
+    yield ["inspect", "memory", "--device-memory", "0.01"]
+
+
 @case("inspect memory: --config missing", ExitCode.CONFIG, "does not exist")
 def _(ws: Ws):
     yield ["inspect", "memory", "--config", str(ws.tmp / "none.yaml")]
