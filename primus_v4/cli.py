@@ -21,7 +21,7 @@ or on many GPUs through torchrun.
 
 _EPILOG = """\
 examples:
-  primus-v4 train                                  the tiny CPU demo run (about 3 minutes)
+  primus-v4 train                                  the tiny CPU demo run (30 steps)
   primus-v4 train --config my_run.yaml --set train.steps=100
   primus-v4 train --config tiny_cpu_thd --dry-run  validate and print the resolved config
   primus-v4 pack --data corpus.jsonl --seq-length 4096

@@ -177,17 +177,21 @@ def _model_run(args: argparse.Namespace) -> int:
 
 
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
-    from primus_v4.config.schema import SECTIONS
-
     parser.add_argument(
-        "--section", choices=list(SECTIONS), default=None, help="only this section's keys"
+        "--section", default=None, help="only this section's keys (data, model, parallel, ...)"
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per key")
 
 
 def _config_run(args: argparse.Namespace) -> int:
     from primus_v4.config.reference import format_reference, reference
+    from primus_v4.config.schema import SECTIONS
+    from primus_v4.errors import UsageError
 
+    if args.section is not None and args.section not in SECTIONS:  # checked here, so that
+        # `primus-v4 --help` does not import the config schema
+        raise UsageError(f"--section: invalid choice: {args.section!r} (choose from "
+                         f"{', '.join(SECTIONS)})")  # fmt: skip
     if args.json:
         for entry in reference():
             if args.section in (None, entry["key"].partition(".")[0]):

@@ -18,7 +18,6 @@ import signal
 import sys
 from typing import Any
 
-from primus_v4.config import load_config, resolve_run, to_dict
 from primus_v4.errors import ExitCode, Interrupted
 
 DESCRIPTION = """\
@@ -79,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from primus_v4.config import load_config, resolve_run, to_dict
     from primus_v4.config.preflight import check_paths
     from primus_v4.config.resolve import check_pretrained
     from primus_v4.training import run_dirs
