@@ -20,6 +20,7 @@ from primus_v4.config.schema import RunConfig
 from primus_v4.data import chat_format
 from primus_v4.data.pipeline import PackSpec
 from primus_v4.errors import CheckpointFormatError, ConfigError, DataError
+from primus_v4.log import get_logger
 from primus_v4.models import (
     DEFAULT_FAMILY,
     check_family,
@@ -32,6 +33,8 @@ from primus_v4.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
     from primus_v4.models.model_spec import ModelSpec
+
+log = get_logger(__name__)
 
 
 def world_size_from_env() -> int:
@@ -123,6 +126,14 @@ def model_family(cfg: RunConfig) -> str:
         return found
     with _reading_release(cfg.model.pretrained):
         found = release_family(cfg.model.pretrained)
+    preset = cfg.model.preset
+    preset_family = presets().get(preset, found) if preset is not None else found
+    if preset_family != found:
+        raise ConfigError(
+            f"model.preset: {preset!r} is a {preset_family!r} preset and model.pretrained="
+            f"{cfg.model.pretrained} a {found!r} release (config.json model_type); the release "
+            "is the model: drop model.preset"
+        )
     if named is not None and named != found:
         raise ConfigError(
             f"model.family: {named!r} conflicts with model.pretrained={cfg.model.pretrained} "
@@ -361,10 +372,31 @@ def check_pretrained(cfg: RunConfig, model: Any) -> None:
         ) from None
 
 
+def check_lora_base(cfg: RunConfig) -> None:
+    """Adapters on a random base learn nothing a release could use: refused unless asked."""
+    lora = cfg.model.lora
+    if lora.rank > 0 and cfg.model.pretrained is None and not lora.allow_random_base:
+        raise ConfigError(
+            f"model.lora.rank={lora.rank} with no model.pretrained trains adapters on random "
+            "weights; set model.pretrained=DIR (a released checkpoint), or "
+            "model.lora.allow_random_base=true for a test or demo"
+        )
+
+
+def _say_what_model(cfg: RunConfig, model: Any) -> None:
+    """One INFO line when a preset is set beside a release (the release wins)."""
+    if cfg.model.pretrained is not None and cfg.model.preset is not None:
+        log.info("model.preset %r ignored: model.pretrained=%s is the model (%d layers, its "
+                 "config.json)", cfg.model.preset, cfg.model.pretrained,
+                 model.num_layers)  # fmt: skip
+
+
 def resolve_run(cfg: RunConfig, world: int | None = None) -> ResolvedRun:
     """Validate everything that can be validated without data or weights."""
+    check_lora_base(cfg)
     sizes = parallel_sizes(cfg, world_size_from_env() if world is None else world)
     model = model_config(cfg)
+    _say_what_model(cfg, model)
     check_model_fits(cfg, sizes, model)
     evaluates = bool(cfg.data.eval_path) or cfg.data.eval_fraction > 0
     return ResolvedRun(

@@ -139,6 +139,9 @@ class LoraConfig:
     stores it (release: FP8 / FP4 bytes and ue8m0 scales, decoded one weight at a time in the
     forward and backward; Flash's base ~160 GB instead of ~580 GB). A random-init base is
     quantized as a release would store it."""
+    allow_random_base: bool = False
+    """Adapters need a trained base: with rank > 0 and no model.pretrained the run is refused
+    unless this is true (tests and demos on the tiny presets)."""
 
     def __post_init__(self) -> None:
         _require(self.rank >= 0, "model.lora.rank", f"must be >= 0, got {self.rank}")
@@ -197,8 +200,8 @@ class ModelConfig:
     `pretrained` release's config.json (which must agree with it when both are given)."""
     preset: str | None = None
     """A shipped preset (`primus-v4 inspect presets`; primus_v4/configs/models/<preset>.yaml,
-    DeepseekV4Config fields); None = `tiny`,
-    or the checkpoint's own config.json when `pretrained` is set (then a preset is an error)."""
+    DeepseekV4Config fields); None = `tiny`. With `pretrained` the release's config.json is the
+    model and a preset is ignored (one INFO line), or refused when of another family."""
     pretrained: str | None = None
     """A released checkpoint directory (config.json + safetensors, e.g. DeepSeek-V4-Flash) to
     start from: the model config comes from its config.json and each rank loads only its own
@@ -239,13 +242,6 @@ class ModelConfig:
             self.recompute_modules is None or self.recompute == "selective",
             "model.recompute_modules",
             f"applies to model.recompute: selective only (got recompute={self.recompute!r})",
-        )
-        _require(
-            self.pretrained is None or self.preset is None,
-            "model.preset",
-            f"{self.preset!r} conflicts with model.pretrained={self.pretrained!r}: a released "
-            "checkpoint brings its own config.json; drop model.preset (model.overrides still "
-            "apply)",
         )
         _require(self.pretrained != "", "model.pretrained", "must not be empty (or leave unset)")
 

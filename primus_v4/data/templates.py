@@ -229,6 +229,25 @@ def _assemble(
     return np.concatenate(tokens_parts).astype(np.uint32), np.concatenate(sup_parts), lengths
 
 
+def _rows_done(
+    out: _Collected, advance: Callable[[int], None] | None
+) -> Callable[[int], None] | None:
+    """The tokenizer reports texts (a row renders to several); the bar counts rows."""
+    if advance is None:
+        return None
+    sample_of = out.piece_sample
+    done = {"texts": 0, "rows": 0}
+
+    def on_texts(n: int) -> None:
+        done["texts"] += n
+        rows = sample_of[done["texts"] - 1] + 1 if done["texts"] else 0
+        if rows > done["rows"]:
+            advance(rows - done["rows"])
+            done["rows"] = rows
+
+    return on_texts
+
+
 def render(
     rows: Sequence[RawRow],
     tokenizer: TextTokenizer,
@@ -277,8 +296,8 @@ def render(
                 else ""
             )
         )
-    on_progress = progress("tokenize", len(out.texts)) if progress is not None else None
-    tokens, supervised, lengths = _assemble(out, tokenizer, on_progress)
+    advance = progress("tokenize", len(out.rows)) if progress is not None else None
+    tokens, supervised, lengths = _assemble(out, tokenizer, _rows_done(out, advance))
     return Rendered(
         tokens=tokens,
         supervised=supervised,

@@ -51,8 +51,9 @@ transformers' fused expert weights (they are reported missing and stay at their 
 rebuild the 3-D weights from per-expert keys named as the release names its experts
 (`experts.{i}.w1|w3|w2`, through transformers' deepseek_v4 key conversion), with the same config.
 The 3-D layout is what PEFT itself saves, so it is the one written.
-PEFT 0.21 warns that the rank_pattern / alpha_pattern keys of target_parameters matched no
-module (its check looks at target_modules only); they apply, or the shapes would not load.
+PEFT 0.21 warns about rank_pattern / alpha_pattern keys that match no targeted module (its check
+looks at target_modules only), so the keys of target_parameters also name a targeted module,
+behind a key of the global rank for that module (`rank_patterns`): no warning, same ranks.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from primus_v4.durable import partial_path
+from primus_v4.durable import new_file_mode, partial_path
 from primus_v4.errors import CheckpointError
 
 CONFIG_FILE = "adapter_config.json"
@@ -187,22 +188,45 @@ def router_tensors(own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {f"{ROUTER}.{hf}": own[ours] for ours, hf in ROUTER_PARTS.items() if ours in own}
 
 
+def rank_patterns(
+    wider: Mapping[str, int], r: int, alpha: float, *, anchor: str | None
+) -> tuple[dict[str, int], dict[str, float]]:
+    """rank_pattern / alpha_pattern giving each parameter in `wider` rank k r and alpha k alpha.
+
+    PEFT matches a pattern key K as the regex `(.*\\.)?(K)$`, taking the first key that matches,
+    and warns about a key that matches no targeted *module*, though parameter keys are matched
+    too. With a targeted module `anchor`, each key is `param|anchor` (it then matches a module)
+    behind the key `anchor` of rank r, alpha alpha (the global ones), which the anchor module
+    meets first: every rank is as meant and PEFT has nothing to warn about."""
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    if wider and anchor is not None:
+        ranks[anchor], alphas[anchor] = r, alpha
+    for name, k in wider.items():
+        key = name if anchor is None else f"{name}|{anchor}"
+        ranks[key], alphas[key] = k * r, k * alpha
+    return ranks, alphas
+
+
 def adapter_config(lora: Any, o_groups: int, base_model: str | None, routers: bool) -> dict:
     """adapter_config.json of a run's `model.lora` section (see the module docstring); `routers`:
     the routers travel as modules_to_save."""
     r, alpha = lora.rank, lora.alpha
     modules = sorted(HF_MODULES[t] for t in lora.targets if t in HF_MODULES)
-    params, rank_pattern, alpha_pattern = [], {}, {}
+    params, wider = [], {}
     if "wo_a" in lora.targets:
         params.append(WO_A_PARAM)
-        rank_pattern[WO_A_PARAM], alpha_pattern[WO_A_PARAM] = o_groups * r, o_groups * alpha
+        wider[WO_A_PARAM] = o_groups
     n = sum(t in lora.targets for t in GATE_UP_KINDS)
     if n:
         params.append(GATE_UP)
         if n > 1:
-            rank_pattern[GATE_UP], alpha_pattern[GATE_UP] = n * r, n * alpha
+            wider[GATE_UP] = n
     if "experts.w2" in lora.targets:
         params.append(DOWN)
+    rank_pattern, alpha_pattern = rank_patterns(
+        wider, r, alpha, anchor=modules[0] if modules else None
+    )
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -261,6 +285,8 @@ def write_peft(
     tmp.mkdir()
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        # safetensors writes through a private temp file (0600): give it a new file's mode
+        os.chmod(tmp / WEIGHTS_FILE, new_file_mode())
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         for path in extra_files:
             shutil.copyfile(path, tmp / Path(path).name)
