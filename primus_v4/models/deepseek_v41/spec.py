@@ -17,6 +17,7 @@ from primus_v4.models.deepseek_v4.config import PRESET_DIR
 from primus_v4.models.deepseek_v4.infra.cp_batch import CpSplitter
 from primus_v4.models.deepseek_v4.infra.parallelize import is_meta
 from primus_v4.models.deepseek_v4.infra.parallelize import parallelize as v4_parallelize
+from primus_v4.models.deepseek_v41 import lora
 from primus_v4.models.deepseek_v41.config import LAYER_KINDS, DeepseekV41Config
 from primus_v4.models.deepseek_v41.model import DeepseekV41Model
 from primus_v4.models.deepseek_v41.params import param_counts
@@ -65,7 +66,7 @@ SPEC = ModelSpec(
     cp_min_rows=_cp_min_rows,
     cp_splitter=CpSplitter,
     step_hooks=v4._step_hooks,
-    add_adapters=_refuse("LoRA"),
+    add_adapters=lora.add_adapters,
     keep_release=_refuse("keeping the base as released (model.lora.base: release)"),
     release=ReleaseFormat(
         read_config=load.read_config,
