@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from primus_v4.errors import ConfigError
+from primus_v4.models.common.kept_base import release_weights
 from primus_v4.models.deepseek_v4 import spec as v4
 from primus_v4.models.deepseek_v4.config import PRESET_DIR
 from primus_v4.models.deepseek_v4.infra.cp_batch import CpSplitter
@@ -23,14 +24,8 @@ from primus_v4.models.deepseek_v41.model import DeepseekV41Model
 from primus_v4.models.deepseek_v41.params import param_counts
 from primus_v4.models.deepseek_v41.release import config_json, export, load
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as names
+from primus_v4.models.deepseek_v41.release.kept_base import keep_release_base
 from primus_v4.models.model_spec import ModelSpec, ReleaseFormat
-
-
-def _refuse(what: str):
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise ConfigError(f"DeepSeek-V4.1: {what} is not available yet")
-
-    return refuse
 
 
 def parallelize(model: nn.Module, ctx: Any, **kwargs: Any) -> Any:
@@ -67,7 +62,7 @@ SPEC = ModelSpec(
     cp_splitter=CpSplitter,
     step_hooks=v4._step_hooks,
     add_adapters=lora.add_adapters,
-    keep_release=_refuse("keeping the base as released (model.lora.base: release)"),
+    keep_release=keep_release_base,
     release=ReleaseFormat(
         read_config=load.read_config,
         config_json=_config_json,
@@ -79,6 +74,6 @@ SPEC = ModelSpec(
         save=export.save_pretrained,
         write_state=export.write_state,
         names=names,
-        release_weights=lambda model: [],
+        release_weights=lambda model: list(release_weights(model)),
     ),
 )
