@@ -18,7 +18,7 @@ from primus_v4.models.deepseek_v4.config import PRESET_DIR
 from primus_v4.models.deepseek_v4.infra.cp_batch import CpSplitter
 from primus_v4.models.deepseek_v4.infra.parallelize import is_meta
 from primus_v4.models.deepseek_v4.infra.parallelize import parallelize as v4_parallelize
-from primus_v4.models.deepseek_v41 import lora
+from primus_v4.models.deepseek_v41 import lora, peft
 from primus_v4.models.deepseek_v41.config import LAYER_KINDS, DeepseekV41Config
 from primus_v4.models.deepseek_v41.model import DeepseekV41Model
 from primus_v4.models.deepseek_v41.params import param_counts
@@ -75,5 +75,6 @@ SPEC = ModelSpec(
         write_state=export.write_state,
         names=names,
         release_weights=lambda model: list(release_weights(model)),
+        peft=peft,
     ),
 )
