@@ -1,8 +1,8 @@
 """DeepSeek-V4.1's `ModelSpec`: how the rest of the package builds, cuts, loads and updates it.
 
-Shared with DeepSeek-V4: the expert-parallel cut, the router bias update. Not available for
-V4.1 yet (each refused with one line): pipeline and context parallelism, LoRA, and keeping the
-base as released.
+Shared with DeepSeek-V4: the expert-parallel cut, the router bias update, the LoRA machinery
+(lora.py) and the base kept as released (release/kept_base.py). Not available for V4.1 yet
+(refused with one line): pipeline and context parallelism.
 """
 
 from __future__ import annotations
