@@ -24,7 +24,7 @@ from primus_v4.models.deepseek_v41.lora import apply_lora
 from primus_v4.models.deepseek_v41.release.load import load_pretrained
 from primus_v4.training.checkpoint.store import step_dir
 
-STEPS = 3
+STEPS = 2
 
 
 def test_a_v41_lora_run_trains_and_exports(tmp_path: Path) -> None:
