@@ -115,6 +115,9 @@ LORA_TARGETS = (
 """LoRA targets by the release's module names inside a layer (`layers.N.attn.*`,
 `layers.N.ffn.*`): the attention projections, the attention's compressor, the shared and the
 routed experts (w1 gate, w3 up, w2 down). The indexer has no backward (it is frozen)."""
+LORA_ENGRAM_TARGETS = ("engram.wkv",)
+"""Targets of DeepSeek-V4.1 only (`layers.N.engram.wkv`: the Engram rows' key / value
+projection; off by default)."""
 LORA_DEFAULT_TARGETS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts.w1",
                         "shared_experts.w2", "shared_experts.w3", "experts.w1", "experts.w2",
                         "experts.w3")  # fmt: skip
@@ -131,7 +134,8 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapters' input (PEFT's lora_dropout)."""
     targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
-    """Which modules get adapters, by release name (LORA_TARGETS)."""
+    """Which modules get adapters, by release name (LORA_TARGETS; DeepSeek-V4.1 also
+    LORA_ENGRAM_TARGETS)."""
     expert_adapters: Literal["per_expert", "shared"] = "per_expert"
     """Routed experts: one adapter per expert, or one shared by the experts of a rank."""
     base: Literal["bfloat16", "release"] = "bfloat16"
@@ -154,9 +158,10 @@ class LoraConfig:
                  f"{indexer}: the indexer only picks which compressed keys a query attends to "
                  "(a top-k, no gradient passes it), so adapters there could not learn; it stays "
                  "frozen")  # fmt: skip
-        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        known = LORA_TARGETS + LORA_ENGRAM_TARGETS
+        unknown = sorted(set(self.targets) - set(known))
         _require(not unknown, "model.lora.targets",
-                 f"unknown {unknown}; choose from {list(LORA_TARGETS)}")  # fmt: skip
+                 f"unknown {unknown}; choose from {list(known)}")  # fmt: skip
         _require(bool(self.targets) or not self.rank, "model.lora.targets",
                  "must name at least one module when model.lora.rank > 0")  # fmt: skip
         _require(len(set(self.targets)) == len(self.targets), "model.lora.targets",

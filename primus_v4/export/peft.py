@@ -71,6 +71,7 @@ from safetensors.torch import save_file
 
 from primus_v4.durable import new_file_mode, partial_path
 from primus_v4.errors import CheckpointError
+from primus_v4.models.common.peft_format import lora_config, rank_patterns
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -188,30 +189,10 @@ def router_tensors(own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {f"{ROUTER}.{hf}": own[ours] for ours, hf in ROUTER_PARTS.items() if ours in own}
 
 
-def rank_patterns(
-    wider: Mapping[str, int], r: int, alpha: float, *, anchor: str | None
-) -> tuple[dict[str, int], dict[str, float]]:
-    """rank_pattern / alpha_pattern giving each parameter in `wider` rank k r and alpha k alpha.
-
-    PEFT matches a pattern key K as the regex `(.*\\.)?(K)$`, taking the first key that matches,
-    and warns about a key that matches no targeted *module*, though parameter keys are matched
-    too. With a targeted module `anchor`, each key is `param|anchor` (it then matches a module)
-    behind the key `anchor` of rank r, alpha alpha (the global ones), which the anchor module
-    meets first: every rank is as meant and PEFT has nothing to warn about."""
-    ranks: dict[str, int] = {}
-    alphas: dict[str, float] = {}
-    if wider and anchor is not None:
-        ranks[anchor], alphas[anchor] = r, alpha
-    for name, k in wider.items():
-        key = name if anchor is None else f"{name}|{anchor}"
-        ranks[key], alphas[key] = k * r, k * alpha
-    return ranks, alphas
-
-
-def adapter_config(lora: Any, o_groups: int, base_model: str | None, routers: bool) -> dict:
-    """adapter_config.json of a run's `model.lora` section (see the module docstring); `routers`:
-    the routers travel as modules_to_save."""
-    r, alpha = lora.rank, lora.alpha
+def adapter_config(lora: Any, cfg: Any, base_model: str | None, routers: bool) -> dict:
+    """adapter_config.json of a run's `model.lora` section on model config `cfg` (see the module
+    docstring); `routers`: the routers travel as modules_to_save."""
+    r, alpha, o_groups = lora.rank, lora.alpha, cfg.o_groups
     modules = sorted(HF_MODULES[t] for t in lora.targets if t in HF_MODULES)
     params, wider = [], {}
     if "wo_a" in lora.targets:
@@ -227,27 +208,12 @@ def adapter_config(lora: Any, o_groups: int, base_model: str | None, routers: bo
     rank_pattern, alpha_pattern = rank_patterns(
         wider, r, alpha, anchor=modules[0] if modules else None
     )
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": r,
-        "lora_alpha": alpha,
-        # PEFT's parameter LoRA refuses dropout (it cannot apply it to the input); inference
-        # never uses it
-        "lora_dropout": 0.0 if params else lora.dropout,
-        "target_modules": modules or None,
-        "target_parameters": params or None,
-        "modules_to_save": [ROUTER] if routers else None,
-        "rank_pattern": rank_pattern,
-        "alpha_pattern": alpha_pattern,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-    }
+    return lora_config(
+        rank=r, alpha=alpha, dropout=lora.dropout, base_model=base_model,
+        target_modules=modules, target_parameters=params,
+        modules_to_save=[ROUTER] if routers else None,
+        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+    )  # fmt: skip
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -268,17 +234,18 @@ def write_peft(
     dtype: torch.dtype | None = None,
     extra_files: Iterable[str | os.PathLike] = (),
     left_out: int = 0,
+    prefix: str = KEY_PREFIX,
 ) -> PeftSummary:
     """Write (layer index, `block_tensors`) pieces as a PEFT adapter directory at `out`
-    (LoRA tensors cast to `dtype` when given), atomically: a temp directory renamed into place when
-    complete, removed on any failure."""
+    (LoRA tensors cast to `dtype` when given; keys `<prefix>layers.N.<name>`), atomically: a temp
+    directory renamed into place when complete, removed on any failure."""
     tensors: dict[str, torch.Tensor] = {}
     for index, piece in layers:
         for name, t in piece.items():
             to = dtype if dtype is not None and ".lora_" in name else t.dtype  # routers as held
             # own storage each (safetensors refuses views of one tensor), contiguous
             cast = t.detach().to(to, memory_format=torch.contiguous_format, copy=True)
-            tensors[f"{KEY_PREFIX}layers.{index}.{name}"] = cast
+            tensors[f"{prefix}layers.{index}.{name}"] = cast
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(out)
