@@ -241,14 +241,22 @@ CHAT_FORMATS = {"deepseek_v4": "v4", "deepseek_v41": "v4.1"}
 
 def chat_format_of(cfg: RunConfig) -> str:
     """data.chat_format, `auto` resolved from the run's model: model.pretrained's config.json
-    (model_type, V4-0731's dspark_* keys), else the family of the preset."""
+    (model_type, V4-0731's dspark_* keys), else the family of the preset where the tokenizer has
+    that format's tokens (V4.1's preset on the bundled DeepSeek-V4 tokenizer: v4)."""
     if cfg.data.chat_format != "auto":
         return cfg.data.chat_format
     if cfg.model.pretrained is not None:
         found = chat_format.release_format(Path(cfg.model.pretrained))
         if found is not None:
             return found
-    return CHAT_FORMATS.get(model_family(cfg), "v4")
+    found = CHAT_FORMATS.get(model_family(cfg), "v4")
+    if found == "v4.1" and tokenizer_of(cfg) is None:
+        log.info(
+            "data.chat_format auto: v4 (the bundled DeepSeek-V4 tokenizer has no V4.1 tokens; "
+            "set data.tokenizer to V4.1's, or model.pretrained to a V4.1 release, for v4.1)"
+        )
+        return "v4"
+    return found
 
 
 def tokenizer_of(cfg: RunConfig) -> str | None:
