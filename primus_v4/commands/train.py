@@ -150,7 +150,8 @@ def _resumes(cfg: Any) -> bool:
 def _memory_gate(resolved: Any, args: argparse.Namespace) -> int:
     """Plan and gate (memory/gate.py); 3 when a stage does not fit. Every rank checks
     (each must stop), rank 0 prints the plan and the one-line reason on stderr."""
-
+    if args.dry_run and args.device_memory is None:
+        return 0  # no plan: the planner (it imports the trainer's modules) stays unloaded
     from primus_v4.memory import gate as memory_gate
 
     if args.device_memory is not None:
