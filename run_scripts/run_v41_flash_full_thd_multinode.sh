@@ -18,6 +18,8 @@
 # How long: the dry run takes about a minute; the step time is not measured yet.
 set -euo pipefail
 export PRIMUS_RECIPE="${PRIMUS_RECIPE:-$0}"
+export PRIMUS_RELEASE_EXAMPLE="${PRIMUS_RELEASE_EXAMPLE:-/apps/DeepSeek-V4.1-Flash}"
+export PRIMUS_TOKENIZER_PROBE_DIRS="${PRIMUS_TOKENIZER_PROBE_DIRS:-/apps/DeepSeek-V4.1-Flash:/models/DeepSeek-V4.1-Flash}"
 here="$(dirname "${BASH_SOURCE[0]}")"
 
 export PRIMUS_DEVICE_MEMORY="${PRIMUS_DEVICE_MEMORY:-MI300X}"

@@ -12,6 +12,8 @@
 # How long: the dry run takes about a minute; the step time is not measured yet.
 set -euo pipefail
 export PRIMUS_RECIPE="${PRIMUS_RECIPE:-$0}"
+export PRIMUS_RELEASE_EXAMPLE="${PRIMUS_RELEASE_EXAMPLE:-/apps/DeepSeek-V4.1-Flash}"
+export PRIMUS_TOKENIZER_PROBE_DIRS="${PRIMUS_TOKENIZER_PROBE_DIRS:-/apps/DeepSeek-V4.1-Flash:/models/DeepSeek-V4.1-Flash}"
 here="$(dirname "${BASH_SOURCE[0]}")"
 
 export PRIMUS_CONFIG="${PRIMUS_CONFIG:-$(cd "${here}/.." && pwd)/primus_v4/configs/runs/deepseek_v41_flash_sft.yaml}"

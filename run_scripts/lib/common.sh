@@ -120,17 +120,19 @@ primus_add_set_if() {
 # config.json + safetensors shards) starts the run from its weights: model.pretrained is set and
 # model.preset cleared (the checkpoint's config.json is the model; model.overrides still apply).
 # Its tokenizer is used unless V4_TOKENIZER or the probe set data.tokenizer. Empty = random init,
-# said in one WARNING line.
+# said in one WARNING line. PRIMUS_RELEASE_EXAMPLE: the release directory the hints name (a
+# recipe of another model sets its own).
 primus_add_pretrained() {
+  local example="${PRIMUS_RELEASE_EXAMPLE:-/apps/DeepSeek-V4-Flash}"
   if [[ -z "${PRIMUS_PRETRAINED:-}" ]]; then
     primus_log "WARNING: PRIMUS_PRETRAINED is not set: the model starts from random weights" \
-      "(set it to a released checkpoint dir, e.g. /apps/DeepSeek-V4-Flash, to fine-tune one)"
+      "(set it to a released checkpoint dir, e.g. ${example}, to fine-tune one)"
     return 0
   fi
   [[ -f "${PRIMUS_PRETRAINED}/config.json" ]] ||
     primus_die_with "${PRIMUS_EXIT_PRETRAINED}" "PRIMUS_PRETRAINED=${PRIMUS_PRETRAINED} has no config.json; point it at a released" \
       "checkpoint directory (config.json + model.safetensors.index.json + shards)," \
-      "e.g. PRIMUS_PRETRAINED=/apps/DeepSeek-V4-Flash"
+      "e.g. PRIMUS_PRETRAINED=${example}"
   # Absolute, because validation and launch run from the repository root.
   PRIMUS_PRETRAINED="$(cd "${PRIMUS_PRETRAINED}" && pwd)"
   primus_log "starting from the released checkpoint ${PRIMUS_PRETRAINED} (model.preset ignored)"

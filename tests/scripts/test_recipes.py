@@ -221,12 +221,21 @@ def test_pretrained_checkpoint_replaces_the_preset(tmp_path):
     assert "--set model.preset=null" in run.command
 
 
-def test_pretrained_without_config_json_fails_early(tmp_path):
-    run = run_recipe(
-        "run_full_4k_thd_multinode.sh", tmp_path, **MULTINODE, PRIMUS_PRETRAINED=str(tmp_path)
-    )
+@pytest.mark.parametrize(
+    ("script", "release"),
+    [
+        ("run_full_4k_thd_multinode.sh", "/apps/DeepSeek-V4-Flash"),
+        ("run_v41_flash_lora_1node.sh", "/apps/DeepSeek-V4.1-Flash"),
+    ],
+)
+def test_pretrained_without_config_json_fails_early(script, release, tmp_path):
+    """The error names the directory and an example release of the recipe's own model."""
+    run = run_recipe(script, tmp_path, **MULTINODE, PRIMUS_PRETRAINED=str(tmp_path))
     assert run.returncode != 0
     assert f"PRIMUS_PRETRAINED={tmp_path} has no config.json" in run.stderr
+    assert f"e.g. PRIMUS_PRETRAINED={release}" in run.stderr
+    if "v41" in script:
+        assert "DeepSeek-V4-Flash" not in run.stderr
 
 
 V41_LAYOUTS = {  # (script, device): nnodes, pp, cp, ep, seq

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from primus_v4.models.common.peft_format import lora_config
+from primus_v4.models.common.peft_format import lora_config, rank_patterns
 
 KEY_PREFIX = "base_model.model."  # PeftModel > the release's Transformer (no `model.`)
 LINEARS = {  # our LoRALinear in a layer -> (release target, release module), in row order
@@ -111,12 +111,15 @@ def adapter_config(lora: Any, cfg: Any, base_model: str | None, routers: bool) -
                 for t, k in (("experts.w1", "gate"), ("experts.w3", "up"),
                              ("experts.w2", "down")) if t in lora.targets]  # fmt: skip
     wo_a = "wo_a" in lora.targets
+    modules = sorted(modules)
+    rank_pattern, alpha_pattern = rank_patterns(
+        {WO_A_PARAM: cfg.o_groups} if wo_a else {}, r, alpha, anchor=modules[0] if modules else None
+    )
     return lora_config(
         rank=r, alpha=alpha, dropout=lora.dropout, base_model=base_model,
-        target_modules=sorted(modules), target_parameters=[WO_A_PARAM] if wo_a else [],
+        target_modules=modules, target_parameters=[WO_A_PARAM] if wo_a else [],
         modules_to_save=[ROUTER] if routers else None,
-        rank_pattern={WO_A_PARAM: cfg.o_groups * r} if wo_a else {},
-        alpha_pattern={WO_A_PARAM: cfg.o_groups * alpha} if wo_a else {},
+        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
     )  # fmt: skip
 
 

@@ -120,8 +120,13 @@ def test_peft_file_round_trips_on_release_names(trained, tmp_path: Path) -> None
     written = json.loads((out / CONFIG_FILE).read_text())
     assert written["r"] == 4 and written["lora_alpha"] == 8.0
     assert written["target_parameters"] == ["attn.wo_a.weight"]
-    assert written["rank_pattern"] == {"attn.wo_a.weight": cfg.o_groups * 4}
-    assert written["alpha_pattern"] == {"attn.wo_a.weight": cfg.o_groups * 8.0}
+    # wo_a's rank behind the first targeted module (as V4's export does): PEFT matches it there
+    anchor = written["target_modules"][0]
+    assert written["rank_pattern"] == {anchor: 4, f"attn.wo_a.weight|{anchor}": cfg.o_groups * 4}
+    assert written["alpha_pattern"] == {
+        anchor: 8.0,
+        f"attn.wo_a.weight|{anchor}": cfg.o_groups * 8.0,
+    }
     experts = [f"ffn.experts.{e}.w{k}" for e in range(cfg.num_moe_experts) for k in (1, 2, 3)]
     assert written["target_modules"] == sorted([
         "attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.compressor.wkv",
