@@ -343,7 +343,7 @@ def check_model_fits(cfg: RunConfig, sizes: ParallelDims, model: Any) -> None:
         pp_layout=cfg.parallel.pp_layout,
         mtp_num_layers=model.mtp_num_layers or 0,
         seq_length=cfg.data.seq_length,
-        cp_min_rows=model_geometry(model.family).cp_min_rows(model),
+        cp_min_rows=model_geometry(getattr(model, "family", DEFAULT_FAMILY)).cp_min_rows(model),
     )
 
 
