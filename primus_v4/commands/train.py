@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.dry_run:  # recorded absolute: export and resume read them from anywhere
         cfg = run_dirs.absolute_dirs(cfg)
     check_paths(cfg)  # seconds, before the model config imports torch
-    resolved = resolve_run(cfg)
+    # without a memory plan, a dry run reads the model's geometry: no torch, no megatron-core
+    resolved = resolve_run(cfg, geometry=args.dry_run and args.device_memory is None)
     if not _resumes(cfg):  # a resumed run reads no weights from model.pretrained
         check_pretrained(cfg, resolved.model)
     if _memory_gate(resolved, args) != 0:

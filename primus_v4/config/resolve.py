@@ -24,6 +24,7 @@ from primus_v4.log import get_logger
 from primus_v4.models import (
     DEFAULT_FAMILY,
     check_family,
+    model_geometry,
     model_spec,
     presets,
     release_family,
@@ -32,7 +33,7 @@ from primus_v4.models import (
 from primus_v4.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
-    from primus_v4.models.model_spec import ModelSpec
+    from primus_v4.models.model_spec import GeometrySpec, ModelSpec
 
 log = get_logger(__name__)
 
@@ -77,7 +78,7 @@ POSITIVE_SIZES = (
 NON_NEGATIVE_SIZES = ("mtp_num_layers", "num_hash_layers", "qk_pos_emb_head_dim")
 
 
-def _model_defaults(spec: ModelSpec, preset: str | None) -> dict[str, Any]:
+def _model_defaults(spec: ModelSpec | GeometrySpec, preset: str | None) -> dict[str, Any]:
     """The value each model field has before overrides: the preset file's, else the default."""
     import yaml
 
@@ -172,11 +173,16 @@ def check_overrides(overrides: dict[str, Any], defaults: dict[str, Any]) -> None
             )
 
 
-def model_config(cfg: RunConfig) -> Any:
-    """The model preset with `model.overrides` and `model.*` applied (errors name the key)."""
+def model_config(cfg: RunConfig, *, geometry: bool = False) -> Any:
+    """The model preset with `model.overrides` and `model.*` applied (errors name the key).
+    `geometry`: the family's torch-free geometry (models/model_spec.GeometrySpec) where it holds
+    every field the run sets, checked alike (what builds no model reads no more); otherwise, and
+    always with `model.pretrained` or `model.recompute`, the model config itself."""
     # torch (megatron, the model) loads only when a model config is asked for: `pack` and
     # config validation stay torch-free
-    spec = model_spec(model_family(cfg))
+    family = model_family(cfg)
+    light = geometry and _geometry_holds(cfg, model_geometry(family))
+    spec = model_geometry(family) if light else model_spec(family)
     preset = None if cfg.model.pretrained is not None else (cfg.model.preset or "tiny")
     check_overrides(cfg.model.overrides, _model_defaults(spec, preset))
     overrides = dict(cfg.model.overrides)
@@ -185,7 +191,7 @@ def model_config(cfg: RunConfig) -> Any:
         overrides.setdefault("ce_chunk_size", cfg.data.seq_length)
     overrides.setdefault("lm_head_rows", cfg.model.lm_head_rows)
     _recompute_overrides(cfg, overrides)
-    if cfg.model.dtype == "bfloat16":
+    if cfg.model.dtype == "bfloat16" and not light:  # the geometry holds no dtype
         import torch
 
         overrides.setdefault("bf16", True)
@@ -202,6 +208,17 @@ def model_config(cfg: RunConfig) -> Any:
             f"model.overrides {sorted(cfg.model.overrides)} on preset {preset!r} give "
             f"an invalid model: {exc}"
         ) from None
+
+
+def _geometry_holds(cfg: RunConfig, geometry: GeometrySpec) -> bool:
+    """Whether the family's geometry has every field the run's model config sets (a preset's
+    fields, `model.overrides`), so that it checks what the model config would."""
+    fields = {f.name for f in dataclasses.fields(geometry.config_class)}
+    return (
+        cfg.model.pretrained is None
+        and cfg.model.recompute == "none"
+        and set(cfg.model.overrides) <= fields
+    )
 
 
 def _recompute_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
@@ -326,7 +343,7 @@ def check_model_fits(cfg: RunConfig, sizes: ParallelDims, model: Any) -> None:
         pp_layout=cfg.parallel.pp_layout,
         mtp_num_layers=model.mtp_num_layers or 0,
         seq_length=cfg.data.seq_length,
-        cp_min_rows=spec_of(model).cp_min_rows(model),
+        cp_min_rows=model_geometry(getattr(model, "family", DEFAULT_FAMILY)).cp_min_rows(model),
     )
 
 
@@ -399,11 +416,13 @@ def _say_what_model(cfg: RunConfig, model: Any) -> None:
                  model.num_layers)  # fmt: skip
 
 
-def resolve_run(cfg: RunConfig, world: int | None = None) -> ResolvedRun:
-    """Validate everything that can be validated without data or weights."""
+def resolve_run(cfg: RunConfig, world: int | None = None, *, geometry: bool = False) -> ResolvedRun:
+    """Validate everything that can be validated without data or weights. `geometry`: the
+    model as its torch-free geometry where that checks the same (`model_config`), for what
+    builds no model (`train --dry-run` without a memory plan)."""
     check_lora_base(cfg)
     sizes = parallel_sizes(cfg, world_size_from_env() if world is None else world)
-    model = model_config(cfg)
+    model = model_config(cfg, geometry=geometry)
     _say_what_model(cfg, model)
     check_model_fits(cfg, sizes, model)
     evaluates = bool(cfg.data.eval_path) or cfg.data.eval_fraction > 0

@@ -16,7 +16,7 @@ from primus_v4.errors import CheckpointFormatError, ConfigError
 
 # Imported before `model_spec` (the function) is defined: the submodule's import would otherwise
 # rebind the package attribute `model_spec` to the module.
-from primus_v4.models.model_spec import ModelSpec
+from primus_v4.models.model_spec import GeometrySpec, ModelSpec
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
 """Model presets of every family: YAML of model config fields plus a `family:` line."""
@@ -26,6 +26,11 @@ FAMILIES: dict[str, str] = {
     "deepseek_v41": "primus_v4.models.deepseek_v41.spec",
 }
 """family name (= config.json `model_type`) -> the module holding its `SPEC`."""
+GEOMETRIES: dict[str, str] = {
+    "deepseek_v4": "primus_v4.models.deepseek_v4.geometry",
+    "deepseek_v41": "primus_v4.models.deepseek_v41.geometry",
+}
+"""family name -> the torch-free module holding its `GEOMETRY`."""
 UNSUPPORTED: dict[str, str] = {}
 """model types we know and cannot build yet, with the one line that says so."""
 
@@ -42,6 +47,11 @@ def check_family(name: str) -> str:
 def model_spec(name: str = DEFAULT_FAMILY) -> ModelSpec:
     """The spec of the model family `name`."""
     return importlib.import_module(FAMILIES[check_family(name)]).SPEC
+
+
+def model_geometry(name: str = DEFAULT_FAMILY) -> GeometrySpec:
+    """The torch-free geometry of the model family `name` (model_spec.GeometrySpec)."""
+    return importlib.import_module(GEOMETRIES[check_family(name)]).GEOMETRY
 
 
 def release_family(path: str | os.PathLike) -> str:

@@ -61,6 +61,20 @@ class ReleaseFormat:
 
 
 @dataclass(kw_only=True, frozen=True)
+class GeometrySpec:
+    """A family's model config without torch (its `geometry` module): what the answers that build
+    no model read (`train --dry-run`: presets, overrides, layer kinds, parallel sizes)."""
+
+    config_class: type
+    """The geometry dataclass: the config's own fields and the megatron-core ones the presets
+    set, with the config's defaults and checks (`preset(name, **overrides)`, `from_dict`)."""
+    preset_dir: Path
+    """Where the family's presets live (the same as `ModelSpec.preset_dir`)."""
+    cp_min_rows: Callable[[Any], int]
+    """config or geometry -> the fewest rows a CP rank may hold (`ModelSpec.cp_min_rows`)."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class ModelSpec:
     name: str
     """The model family, as presets, run configs and config.json `model_type` name it."""

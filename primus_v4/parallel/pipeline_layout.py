@@ -72,7 +72,15 @@ def parse_pp_layout(
     layout: str, *, pp: int, num_layers: int, mtp_num_layers: int = 0
 ) -> list[StageSpec]:
     """Parse and validate `layout` against the model; one `StageSpec` per stage."""
-    stages = _expand(layout)
+    return _stage_specs(
+        _expand(layout), layout=layout, pp=pp, num_layers=num_layers, mtp_num_layers=mtp_num_layers
+    )
+
+
+def _stage_specs(
+    stages: list[str], *, layout: str, pp: int, num_layers: int, mtp_num_layers: int
+) -> list[StageSpec]:
+    """`layout`'s per-stage symbol strings validated against the model, as `StageSpec`s."""
     where = f"pp_layout {layout!r}"
     if len(stages) != pp:
         raise ConfigError(
@@ -127,6 +135,13 @@ def even_pp_layout(*, pp: int, num_layers: int, mtp_num_layers: int = 0) -> str:
     The first stage carries the embedding, so extra layers go to the later stages (43 layers on
     3 stages give 14 + 14 + 15, Flash's published layout).
     """
+    return "|".join(_even_stages(pp=pp, num_layers=num_layers, mtp_num_layers=mtp_num_layers))
+
+
+def _even_stages(
+    *, pp: int, num_layers: int, mtp_num_layers: int, repeat: bool = True
+) -> list[str]:
+    """The even split's per-stage symbols: `t*14` (`repeat`) or the 14 `t`s written out."""
     if num_layers < pp:
         raise ConfigError(
             f"num_layers={num_layers} is fewer than pipeline stages pp={pp}; "
@@ -134,16 +149,19 @@ def even_pp_layout(*, pp: int, num_layers: int, mtp_num_layers: int = 0) -> str:
         )
     base, extra = divmod(num_layers, pp)
     counts = [base + (1 if i >= pp - extra else 0) for i in range(pp)]
-    stages = [f"t*{n}" for n in counts]
+    stages = [f"t*{n}" if repeat else "t" * n for n in counts]
     stages[0] = "E" + stages[0]
     stages[-1] += "m" * mtp_num_layers + "L"
-    return "|".join(stages)
+    return stages
 
 
 def plan_stages(
     *, pp: int, num_layers: int, mtp_num_layers: int = 0, layout: str | None = None
 ) -> list[StageSpec]:
-    """Stages from `layout`, or the default even split when it is None/empty."""
-    if not layout:
-        layout = even_pp_layout(pp=pp, num_layers=num_layers, mtp_num_layers=mtp_num_layers)
-    return parse_pp_layout(layout, pp=pp, num_layers=num_layers, mtp_num_layers=mtp_num_layers)
+    """Stages from `layout`, or the default even split when it is None/empty (written out
+    here: no layout parser, so no megatron-core import)."""
+    sizes = {"pp": pp, "num_layers": num_layers, "mtp_num_layers": mtp_num_layers}
+    if layout:
+        return parse_pp_layout(layout, **sizes)
+    stages = _even_stages(**sizes, repeat=False)
+    return _stage_specs(stages, layout=even_pp_layout(**sizes), **sizes)

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from primus_v4 import kernels
+from primus_v4.models.deepseek_v4.geometry import boundary_rows
 from primus_v4.models.deepseek_v4.layout import RowLayout, require_layout
 from primus_v4.models.deepseek_v4.norm import RMSNorm
 from primus_v4.models.deepseek_v4.rope import RotaryEmbedding
@@ -62,11 +63,6 @@ class WindowPlan:
     @property
     def num_windows(self) -> int:
         return int(self.slot_P.numel())
-
-
-def boundary_rows(ratio: int, overlap: bool) -> int:
-    """Hidden rows a rank needs from its left neighbour to pool the windows it owns."""
-    return 2 * ratio if overlap else ratio
 
 
 def build_window_plan(layout: RowLayout, ratio: int, *, overlap: bool) -> WindowPlan:

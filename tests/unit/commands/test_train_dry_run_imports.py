@@ -1,5 +1,6 @@
 """`train --dry-run` loads only what its checks need: no memory planner without --device-memory,
-and the checkpoint directory listing (resume detection) without torch.distributed."""
+the checkpoint directory listing (resume detection) without torch.distributed, and the model as
+its geometry (no torch, no megatron-core)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,30 @@ def test_dry_run_skips_the_planner_and_integrity_is_torch_free(tmp_path: Path) -
     assert done.returncode == 0, done.stderr[-2000:]
     probe = json.loads(done.stdout.strip().splitlines()[-1])
     assert probe == {"code": 0, "integrity_torch": False, "loaded": []}
+
+
+GEOMETRY_PROBE = """
+import json, os, sys
+from primus_v4.cli import main
+codes = [main(["train", "--dry-run"])]
+codes.append(main(["train", "--dry-run", "--set", "model.preset=tiny_v41"]))
+os.environ["WORLD_SIZE"] = "3"  # three pipeline stages: the stage plan is checked too
+codes.append(main(["train", "--dry-run", "--set", "parallel.pp=3", "--set", "train.steps=5"]))
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "megatron", "safetensors"})
+print(json.dumps({"codes": codes, "heavy": heavy}))
+"""
+
+
+def test_dry_run_reads_the_model_geometry_without_torch_or_megatron(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(
+        [sys.executable, "-c", GEOMETRY_PROBE], cwd=tmp_path, env=env, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    derived = [json.loads(line)["derived"] for line in lines[:3]]
+    assert [d["num_layers"] for d in derived] == [3, 6, 3]
+    assert [d["world_size"] for d in derived] == [1, 1, 3]
+    assert json.loads(lines[-1]) == {"codes": [0, 0, 0], "heavy": []}

@@ -67,6 +67,19 @@ def test_pro_style_layouts() -> None:
     assert plan_stages(pp=1, num_layers=3)[0].symbols == "EtttL"
 
 
+def test_the_even_split_is_its_layout_parsed() -> None:
+    """Without a layout the even split's stages are written out (no parser, no megatron-core):
+    the same stages as its layout string parsed, the same errors."""
+    for pp in range(1, 6):
+        for num_layers in range(pp, 10):
+            for mtp in (0, 1, 2):
+                sizes = {"pp": pp, "num_layers": num_layers, "mtp_num_layers": mtp}
+                layout = even_pp_layout(**sizes)
+                assert plan_stages(**sizes) == parse_pp_layout(layout, **sizes), layout
+    with pytest.raises(ConfigError, match=r"num_layers=2 is fewer than pipeline stages pp=3"):
+        plan_stages(pp=3, num_layers=2)
+
+
 @pytest.mark.parametrize(
     ("layout", "pp", "message"),
     [

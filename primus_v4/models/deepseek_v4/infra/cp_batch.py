@@ -23,8 +23,7 @@ import torch
 
 from primus_v4.data.mtp_shift import MtpStreams, mtp_streams, shift_in_sample
 from primus_v4.data.thd import ThdBatch, TokenCounts, to_packed_seq_params
-from primus_v4.models.deepseek_v4.compressor import boundary_rows
-from primus_v4.models.deepseek_v4.config import LAYER_KINDS
+from primus_v4.models.deepseek_v4.geometry import required_local_rows
 from primus_v4.models.deepseek_v4.layout import LocalComm, SeqComm
 from primus_v4.parallel.context_parallel import ContextParallelError, CpComm, split_rows
 
@@ -39,18 +38,6 @@ def seq_comm(cp_axis: Any) -> SeqComm:
 # ---------------------------------------------------------------------------------------------
 # The contiguous split of a pack
 # ---------------------------------------------------------------------------------------------
-
-
-def required_local_rows(model_cfg: Any) -> int:
-    """Fewest rows a CP rank may hold: every boundary it must send to its right neighbour."""
-    need = max(model_cfg.attn_sliding_window - 1, 1)
-    ratios = list(model_cfg.compress_ratios)
-    if model_cfg.mtp_num_layers:
-        ratios.append(model_cfg.mtp_compress_ratio or 0)
-    for r in ratios:
-        if r:  # CSA layers pool with overlap (their indexer's compressor too); HCA without
-            need = max(need, boundary_rows(r, overlap=LAYER_KINDS[r] == "csa"))
-    return need
 
 
 @dataclass(frozen=True, kw_only=True)

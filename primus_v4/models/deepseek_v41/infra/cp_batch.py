@@ -11,18 +11,8 @@ exactly as on one process.
 
 from __future__ import annotations
 
-from typing import Any
-
 from primus_v4.models.deepseek_v4.infra.cp_batch import CpSplitter as V4CpSplitter
-
-
-def required_local_rows(model_cfg: Any) -> int:
-    """Fewest rows a CP rank may hold: every boundary it must send to its right neighbour."""
-    need = [model_cfg.attn_sliding_window - 1, 1]
-    need += [r - 1 for r in model_cfg.compress_ratios]
-    if model_cfg.engram_layer_ids:
-        need.append(model_cfg.engram_max_ngram_size - 1)
-    return max(need)
+from primus_v4.models.deepseek_v41.geometry import required_local_rows
 
 
 class CpSplitter(V4CpSplitter):

@@ -1,0 +1,154 @@
+"""DeepSeek-V4.1's model config without torch: its own fields and checks (`DeepseekV41Fields`,
+which `DeepseekV41Config` (config.py) inherits) and `DeepseekV41Geometry`, the config without
+megatron-core (deepseek_v4/geometry.py says what that holds).
+
+The V4 fields keep their meaning (heads, q/o LoRA ranks, RoPE and YaRN, mHC, MoE sizes, SwiGLU
+limit); V4.1 reads `compress_ratios` as the compressed cache a layer attends to (0 = window
+only, 2 = a 2:1 cache, 1 = a full-resolution cache), routes every layer by noaux_tc (no hash
+layers) and has no MTP depth in the backbone (the release's DSpark stages are not trained here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from primus_v4.errors import ConfigError
+from primus_v4.models.deepseek_v4.geometry import PRESET_DIR, DeepseekV4Fields, DeepseekV4Geometry
+from primus_v4.models.model_spec import GeometrySpec
+
+LAYER_KINDS = {0: "window", 2: "ratio2", 1: "ratio1"}
+
+
+@dataclass(kw_only=True)
+class DeepseekV41Fields(DeepseekV4Fields):
+    """The DeepSeek-V4.1 fields (each documented where declared) over DeepSeek-V4's, and their
+    checks."""
+
+    family = "deepseek_v41"  # not a field: the model family (models/__init__.py) of this config
+
+    compress_ratios: list[int] = field(default_factory=lambda: [0, 2, 2, 1])
+    """Per layer, the compressed cache it attends to: 0 window only, 2 a 2:1 cache, 1 a
+    full-resolution cache."""
+    num_hash_layers: int = 0
+    """V4.1 routes every layer by noaux_tc: must stay 0."""
+    kv_source_layer_ids: list[int] = field(default_factory=lambda: [1, 3])
+    """Layers that own a compressor (compressed KV + index keys); the layers after one reuse its
+    cache until the next source."""
+    index_source_layer_ids: list[int] = field(default_factory=lambda: [1, 3])
+    """Layers that run an indexer query (top-k selection); the others reuse the latest one's."""
+    candidate_source_layer_id: int = -1
+    """Two-level top-k: the layer whose index scores choose candidate blocks (-1 = off); index
+    sources after it only pick inside those blocks."""
+    candidate_topk_blocks: int = 0
+    """Two-level top-k: candidate blocks kept per query (the newest block is always kept)."""
+    candidate_block_size: int = 0
+    """Two-level top-k: compressed positions per candidate block."""
+    engram_layer_ids: list[int] = field(default_factory=list)
+    """Layers with an Engram memory lookup (applied to the 4 streams before the layer)."""
+    engram_num_embeddings: list[int] = field(default_factory=list)
+    """Rows of each Engram layer's table."""
+    engram_max_ngram_size: int = 4
+    """n-grams of 2 .. this size are hashed at every position."""
+    engram_vocab_size: int = 0
+    """Each (layer, n, head) bucket count is the next unused prime above this."""
+    engram_n_heads: int = 0
+    """Hash heads per n-gram size."""
+    engram_head_dim: int = 0
+    """Width of one table row."""
+    engram_pad_token_id: int = 2
+    """Token id whose compressed id fills the look-back before a sample's start."""
+    engram_compressed_vocab_size: int = 0
+    """Size of the Engram token map's range (the hash multipliers derive from it)."""
+    activation_fake_quant: bool = False
+    """Simulate the release's inference activation quantization (window KV FP8 per 32 values,
+    compressed KV FP4 per 16 with e4m3 scales, indexer q/k FP4 per 32; straight-through
+    gradients). Off: the released weights' exact float math, which the reference logits use."""
+
+    def _validate_layers(self) -> None:
+        n = self.num_layers
+        for i, ratio in enumerate(self.compress_ratios):
+            if ratio not in LAYER_KINDS:
+                raise ConfigError(f"compress ratio {ratio} (layer {i}) must be one of 0, 2, 1")
+        if self.num_hash_layers:
+            raise ConfigError("DeepSeek-V4.1 has no hash-routed layers: num_hash_layers must be 0")
+        if self.mtp_num_layers:
+            raise ConfigError("DeepSeek-V4.1's backbone has no MTP depth: mtp_num_layers must be 0")
+        for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
+            ids = getattr(self, name)
+            if sorted(set(ids)) != list(ids) or any(not 0 <= i < n for i in ids):
+                raise ConfigError(f"{name} {ids} must be increasing layer indices in [0, {n})")
+        for i, ratio in enumerate(self.compress_ratios):
+            if ratio == 0:
+                continue
+            src = self.kv_source(i)
+            if src is None or self.compress_ratios[src] != ratio:
+                raise ConfigError(
+                    f"layer {i} (ratio {ratio}) has no earlier kv source of the same ratio in "
+                    f"kv_source_layer_ids {self.kv_source_layer_ids}"
+                )
+            if self.index_source(i) is None or self.index_source(i) < src:
+                raise ConfigError(
+                    f"layer {i}: no index source at or after its kv source {src} in "
+                    f"index_source_layer_ids {self.index_source_layer_ids}"
+                )
+        for i in [*self.kv_source_layer_ids, *self.index_source_layer_ids]:
+            if self.compress_ratios[i] == 0:
+                raise ConfigError(f"layer {i} is a kv/index source but its compress ratio is 0")
+        self._validate_candidates()
+        self._validate_engram()
+        if self.activation_fake_quant and (self.kv_channels % 32 or self.index_head_dim % 32):
+            raise ConfigError(
+                "activation_fake_quant quantizes KV and index vectors in blocks of 32: "
+                f"kv_channels ({self.kv_channels}) and index_head_dim ({self.index_head_dim}) "
+                "must be multiples of 32"
+            )
+
+    def _validate_candidates(self) -> None:
+        c = self.candidate_source_layer_id
+        if c < 0:
+            return
+        if c not in self.index_source_layer_ids:
+            raise ConfigError(f"candidate_source_layer_id {c} must be an index source layer")
+        if self.candidate_topk_blocks < 1 or self.candidate_block_size < 1:
+            raise ConfigError("candidate_topk_blocks and candidate_block_size must be >= 1")
+
+    def _validate_engram(self) -> None:
+        if not self.engram_layer_ids:
+            return
+        if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
+            raise ConfigError("engram_num_embeddings needs one row count per engram layer")
+        if self.engram_max_ngram_size < 2 or self.engram_n_heads < 1:
+            raise ConfigError("engram_max_ngram_size must be >= 2 and engram_n_heads >= 1")
+        if self.engram_head_dim < 1 or self.engram_compressed_vocab_size < 1:
+            raise ConfigError("engram_head_dim and engram_compressed_vocab_size must be >= 1")
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose compressed KV and index keys `layer` reads (the latest source)."""
+        return max((s for s in self.kv_source_layer_ids if s <= layer), default=None)
+
+    def index_source(self, layer: int) -> int | None:
+        """The layer whose top-k selection `layer` uses (the latest index source)."""
+        return max((s for s in self.index_source_layer_ids if s <= layer), default=None)
+
+    def layer_kind(self, layer: int) -> str:
+        return LAYER_KINDS[self.compress_ratios[layer]]
+
+
+@dataclass(kw_only=True)
+class DeepseekV41Geometry(DeepseekV41Fields, DeepseekV4Geometry):
+    """`DeepseekV41Config` without torch (`DeepseekV4Geometry` with the V4.1 fields)."""
+
+
+def required_local_rows(model_cfg: Any) -> int:
+    """Fewest rows a CP rank may hold: every boundary it must send to its right neighbour."""
+    need = [model_cfg.attn_sliding_window - 1, 1]
+    need += [r - 1 for r in model_cfg.compress_ratios]
+    if model_cfg.engram_layer_ids:
+        need.append(model_cfg.engram_max_ngram_size - 1)
+    return max(need)
+
+
+GEOMETRY = GeometrySpec(
+    config_class=DeepseekV41Geometry, preset_dir=PRESET_DIR, cp_min_rows=required_local_rows
+)
