@@ -90,3 +90,7 @@ class ModelSpec:
     """(rank module, config, *, dtype) -> weights kept as the release stores them (meta: to be
     read by the loader; materialized: quantized), decoded per use (`model.lora.base: release`)."""
     release: ReleaseFormat
+    place_tables: Callable[..., Any] | None = None
+    """(rank module, the run's `model` section, *, ctx) after the cut and fill: where the
+    family's lookup tables live (DeepSeek-V4.1's Engram, `model.engram`); None: nothing to
+    place."""

@@ -85,6 +85,8 @@ def assemble(
             **parallel,
         )
         out.model, out.pipeline = done.model, done.pipeline
+        if spec.place_tables is not None:
+            spec.place_tables(out.model, section, ctx=parallel["ctx"])
         if keep and weights is None:  # a drawn base: quantized as a release would store it
             keep_release(out.model)
     elif draw_on is not None:
