@@ -9,11 +9,14 @@ Engram's 3-token look-back; pp2 cuts before layer 4, so the second stage receive
 ratio-1 pool, index keys, selection and candidate blocks and holds an Engram layer (4); pp2 x cp2
 cuts before layer 2, so layer 1's ratio-2 pool, gathered over the CP ranks, crosses the stages.
 dp2 steps the sharded optimizer (ZeRO-1, each rank holds about half the state: asserted).
-The 2-rank launch also compares every parameter gradient of one pack at cp2 with one process.
+The 2-rank launch also compares every parameter gradient of one pack at cp2 with one process,
+runs dp2 with the Engram tables sharded over the ranks (frozen, and trainable against a trainable
+one-process reference), and resumes the trainable sharded run from its step-2 checkpoint.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -100,7 +103,22 @@ def _rank(rank: int, world: int, out: str) -> dict[str, dict]:
     }
     if world == 2:
         got["cp2 gradients"] = _cp_gradients(rank)
+        got["engram resume"] = _resume_trainable_engram(rank, Path(out) / "resume")
     return got
+
+
+def _resume_trainable_engram(rank: int, out: Path) -> dict:
+    """dp2 with a trainable sharded Engram table checkpointed at step 2, resumed from a copy of
+    that checkpoint: the resumed step 3 against the uninterrupted one."""
+    settings = (*LAYOUTS[2]["dp2 engram sharded trainable"], "checkpoint.interval=2")
+    whole = _train(2, out / f"whole{rank}", (*settings, f"checkpoint.dir={out / 'ckpt'}"))
+    if rank == 0:
+        step = "step_00000002"
+        shutil.copytree(out / "ckpt" / step, out / "from2" / step)
+        (out / "from2" / "latest").write_text(step)
+    dist.barrier()
+    resumed = _train(2, out / f"resumed{rank}", (*settings, f"checkpoint.dir={out / 'from2'}"))
+    return {"whole": whole["rows"][-1], "resumed": resumed["rows"][-1]}
 
 
 # CP edge at row 128 inside the sample of rows 33-182: its 2:1 group (127, 128) straddles the
@@ -206,3 +224,8 @@ def test_every_axis_matches_one_process(single, world: int, tmp_path: Path) -> N
         assert single["engram_rows"] == 4062 + 4152
         for name in ("dp2 engram sharded", "dp2 engram sharded trainable"):
             assert [r[name]["engram_rows"] for r in ranks] == [4107, 4107], name
+        # the table's rows and their optimizer state saved as rows of the whole table: exact
+        for r in ranks:
+            print("trainable sharded Engram, step 3 uninterrupted / resumed from step 2:",
+                  r["engram resume"])  # fmt: skip
+            assert r["engram resume"]["resumed"] == r["engram resume"]["whole"]

@@ -260,13 +260,16 @@ def place_engram(
 
 def place_for_run(model: nn.Module, section: Any, *, ctx: Any) -> dict[str, PlacedTable]:
     """A run's `model.engram` (`section` is its `model` section) applied to this rank's
-    module after the cut and fill.
+        module after the cut and fill.
 
-    The sharded group is DP x CP (`ctx.dp_cp`): the ranks holding the same layers (a pipeline
-    stage's ranks; a stage without Engram layers places nothing), each of which looks up its own
-    pack's rows. Over one rank, `sharded` holds every row, as `replicated` does. A trainable
-    sharded table's gradient is summed over the group by its owner already (the lookup's
-    backward), so it is tagged `owner_reduced`: the optimizer sums it over no replicas."""
+        The sharded group is DP x CP (`ctx.dp_cp`): the ranks holding the same layers (a pipeline
+        stage's ranks; a stage without Engram layers places nothing), each of which looks up its own
+        pack's rows. Over one rank, `sharded` holds every row, as `replicated` does. A trainable
+        sharded table's gradient is summed over the group by its owner already (the lookup's
+        backward), so it is tagged `owner_reduced`: the optimizer sums it over no replicas; and
+    `expert_group` / `global_shape`: checkpoints store it, and its optimizer state, as rows of the
+    whole table. A frozen table is no state: a resumed run places it again from the release (or
+    the seed's draw)."""
     engram = section.engram
     placement = engram.placement
     modules = engram_modules(model)
@@ -288,6 +291,9 @@ def place_for_run(model: nn.Module, section: Any, *, ctx: Any) -> dict[str, Plac
     for store in placed.values():
         if store.weight is not None and placement == "sharded":
             store.weight.owner_reduced = True  # type: ignore[attr-defined]
+            # checkpoints store it as rows of the whole [R, E] table over the group
+            store.weight.expert_group = group  # type: ignore[attr-defined]
+            store.weight.global_shape = (store.rows, store.width)  # type: ignore[attr-defined]
     if placed:
         held = sum(s.held_bytes() for s in placed.values())
         log.info("Engram %s, %s: %d tables, %.1f MiB held on this rank", placement,
