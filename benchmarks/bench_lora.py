@@ -48,7 +48,8 @@ def run(tmp: Path, name: str, steps: int, seq: int, packs: int, lr: float, rank:
         "model.dtype=float32", *extra,
     ]  # fmt: skip
     if rank:
-        items += [f"model.lora.rank={rank}", f"model.lora.alpha={2 * rank}"]
+        items += [f"model.lora.rank={rank}", f"model.lora.alpha={2 * rank}",
+                  "model.lora.allow_random_base=true"]  # fmt: skip
     trainer = Trainer(resolve_run(load_config(overrides=items), world=1))
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     state = trainer.optimizer.state_bytes()

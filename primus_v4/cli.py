@@ -21,7 +21,7 @@ or on many GPUs through torchrun.
 
 _EPILOG = """\
 examples:
-  primus-v4 train                                  the tiny CPU demo run (about 3 minutes)
+  primus-v4 train                                  the tiny CPU demo run (30 steps)
   primus-v4 train --config my_run.yaml --set train.steps=100
   primus-v4 train --config tiny_cpu_thd --dry-run  validate and print the resolved config
   primus-v4 pack --data corpus.jsonl --seq-length 4096
@@ -33,8 +33,9 @@ Run `primus-v4 COMMAND --help` for the options of a command.
 exit status: 0 done; 1 `inspect --verify` found damage; 2 usage; 3 config; 4 data (corpus,
 tokenizer, pack cache); 5 training checkpoint (missing, damaged, other layout); 6 resume refused;
 7 release directory (model.pretrained); 8 a path (unreadable, unwritable, output exists);
-9 disk full; 10 non-finite loss; 11 run setup; 70 internal error; 130 interrupted; 128+N stopped
-by signal N before anything was saved. Every error is one line on stderr.
+9 disk full; 10 non-finite loss; 11 run setup; 12 `inspect memory`: a stage over the device;
+70 internal error; 130 interrupted; 128+N stopped by signal N before anything was saved.
+Every error is one line on stderr.
 """
 
 # subcommand -> (module under primus_v4.commands, one-line help)

@@ -85,6 +85,13 @@ def overlap_problem(output: str | Path, inputs: Mapping[str, str | Path | None])
     return None
 
 
+def new_file_mode() -> int:
+    """The mode `open(path, "w")` gives a new file under this process's umask (0644 under 022)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def partial_path(target: Path) -> Path:
     """A temp name beside `target` for building it (renamed into place when complete); the pid
     in it tells a later command whether its writer still runs (`remove_stale`)."""

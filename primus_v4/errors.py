@@ -24,6 +24,7 @@ class ExitCode(IntEnum):
     DISK_FULL = 9  # no space left (or over quota, or over the file size limit)
     DIVERGED = 10  # a non-finite loss or gradient with train.nan_policy=error
     RUN = 11  # the run cannot start on this setup (parallel layout, process groups)
+    OVER_MEMORY = 12  # `inspect memory`: a pipeline stage plans more than the device holds
     INTERNAL = 70  # an unexpected exception: a bug (PRIMUS_V4_TRACEBACK=1 shows where)
     INTERRUPTED = 130  # Ctrl-C
     SIGNAL_BASE = 128  # + N: stopped by signal N before a checkpoint was saved
@@ -69,6 +70,12 @@ class Interrupted(PrimusError):
     """Ctrl-C stopped the command; the message says what was cleaned up and where to go on."""
 
     exit_code = ExitCode.INTERRUPTED
+
+
+class OverMemoryError(PrimusError):
+    """`inspect memory`: a pipeline stage plans more device memory than the device has."""
+
+    exit_code = ExitCode.OVER_MEMORY
 
 
 class PathError(PrimusError):

@@ -84,6 +84,8 @@ PRIMUS_LORA_ALPHA="${PRIMUS_LORA_ALPHA:-16}"
 PRIMUS_LORA_TARGETS="${PRIMUS_LORA_TARGETS:-}"                # comma-separated; empty = default
 PRIMUS_LORA_EXPERTS="${PRIMUS_LORA_EXPERTS:-per_expert}"      # per_expert | shared
 PRIMUS_LORA_BASE="${PRIMUS_LORA_BASE:-bfloat16}"              # bfloat16 | release (FP8/FP4 kept)
+# Adapters on random weights (no PRIMUS_PRETRAINED) are refused unless this is 1.
+PRIMUS_LORA_ALLOW_RANDOM_BASE="${PRIMUS_LORA_ALLOW_RANDOM_BASE:-0}"
 # DeepSeek-V4.1's Engram tables (empty = the config's: frozen, replicated)
 PRIMUS_ENGRAM_PLACEMENT="${PRIMUS_ENGRAM_PLACEMENT:-}" # replicated | sharded | host
 PRIMUS_ENGRAM_TRAINABLE="${PRIMUS_ENGRAM_TRAINABLE:-}" # false | true
@@ -97,7 +99,7 @@ PRIMUS_PACK_ALGORITHM="${PRIMUS_PACK_ALGORITHM:-ffd}"
 # Node-local scratch, per user: a shared filesystem here gives NFS lock errors (ESTALE) and
 # cross-node cache races; a shared /tmp name collides between users.
 PRIMUS_LOCAL_ROOT="${PRIMUS_LOCAL_ROOT:-${TMPDIR:-/tmp}/primus_v4-$(id -u)}"
-PRIMUS_PACK_CACHE_DIR="${PRIMUS_PACK_CACHE_DIR:-${PRIMUS_LOCAL_ROOT}/pack_cache}"
+PRIMUS_PACK_CACHE_DIR="${PRIMUS_PACK_CACHE_DIR:-${PRIMUS_LOCAL_ROOT}/packs}"
 PRIMUS_PACK_LOCK_DIR="${PRIMUS_PACK_LOCK_DIR:-${PRIMUS_LOCAL_ROOT}/locks}"
 export HF_DATASETS_CACHE="${HF_DATASETS_CACHE:-${PRIMUS_LOCAL_ROOT}/hf_datasets}"
 
@@ -155,6 +157,9 @@ if [[ "${PRIMUS_LORA_RANK}" != "0" ]]; then
   primus_add_set model.lora.alpha "${PRIMUS_LORA_ALPHA}"
   primus_add_set model.lora.expert_adapters "${PRIMUS_LORA_EXPERTS}"
   primus_add_set model.lora.base "${PRIMUS_LORA_BASE}"
+  if [[ "${PRIMUS_LORA_ALLOW_RANDOM_BASE}" == "1" ]]; then
+    primus_add_set model.lora.allow_random_base true
+  fi
   if [[ -n "${PRIMUS_LORA_TARGETS}" ]]; then
     primus_add_set model.lora.targets "[${PRIMUS_LORA_TARGETS}]"
   fi

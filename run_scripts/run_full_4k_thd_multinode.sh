@@ -16,7 +16,7 @@ export PRIMUS_PACK_ALGORITHM="${PRIMUS_PACK_ALGORITHM:-ffd}" # ffd | bfd
 export MBS="${MBS:-1}"
 # Node-local (per user) cache and lock dirs; see run_full_4k_multinode.sh for why not shared.
 export PRIMUS_LOCAL_ROOT="${PRIMUS_LOCAL_ROOT:-${TMPDIR:-/tmp}/primus_v4-$(id -u)}"
-export PRIMUS_PACK_CACHE_DIR="${PRIMUS_PACK_CACHE_DIR:-${PRIMUS_LOCAL_ROOT}/pack_cache}"
+export PRIMUS_PACK_CACHE_DIR="${PRIMUS_PACK_CACHE_DIR:-${PRIMUS_LOCAL_ROOT}/packs}"
 export PRIMUS_PACK_LOCK_DIR="${PRIMUS_PACK_LOCK_DIR:-${PRIMUS_LOCAL_ROOT}/locks}"
 export PRIMUS_EXP_NAME="${PRIMUS_EXP_NAME:-dsv4_flash_4k_thd_${NNODES:-3}node}"
 

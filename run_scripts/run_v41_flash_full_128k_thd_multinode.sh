@@ -30,7 +30,7 @@ export PRIMUS_CP="${PRIMUS_CP:-8}"
 export PRIMUS_EP="${PRIMUS_EP:-$((big ? 8 : 16))}"
 # Stage 0 holds 4 micro-batches in flight (1F1B), the last one 1: fewer layers up front.
 export PRIMUS_PP_LAYOUT="${PRIMUS_PP_LAYOUT:-Et*8|t*9|t*11|t*12L}"
-export GBS="${GBS:-$((NNODES * 8 / PRIMUS_PP / PRIMUS_CP * 4))}" # 4 micro-batches per DP rank
+export GBS="${GBS:-$((NNODES * 8 * 4 / PRIMUS_PP / PRIMUS_CP))}" # 4 micro-batches per DP rank
 export PRIMUS_OPTIMIZER_OFFLOAD_FRACTION="${PRIMUS_OPTIMIZER_OFFLOAD_FRACTION:-0.9}"
 export FUSED_LINEAR_CE="${FUSED_LINEAR_CE:-1}"
 export FUSED_CE_CHUNK="${FUSED_CE_CHUNK:-4096}"

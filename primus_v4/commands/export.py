@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -112,10 +113,7 @@ def _run_peft(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from primus_v4.errors import ConfigError, UsageError
-    from primus_v4.export.run import export_checkpoint, find_source, release_tensor_count
+    from primus_v4.errors import CheckpointError, ConfigError, UsageError
 
     if args.format == "peft" and args.dtype == "fp8":
         raise UsageError(
@@ -125,14 +123,22 @@ def run(args: argparse.Namespace) -> int:
     if not args.max_shard_gb > 0:
         raise ConfigError(f"--max-shard-gb {args.max_shard_gb}: must be > 0 (GiB per shard)")
     check_out(Path(args.out))
+    if not Path(args.run).is_dir():  # answered before torch loads (seconds)
+        raise CheckpointError(
+            f"{args.run}: not a directory (pass a run's output dir or checkpoint dir)"
+        )
     if args.format == "peft":
         return _run_peft(args)
+    from tqdm import tqdm
+
+    from primus_v4.export.run import export_checkpoint, find_source, release_tensor_count
+
     dtype = args.dtype or "bfloat16"
     source = find_source(args.run, args.step)
     check_apart(Path(args.out), args.run, source)
     with tqdm(
         total=release_tensor_count(source), desc="exporting", unit="tensor",
-        disable=args.no_progress,
+        disable=args.no_progress or not sys.stderr.isatty(),
     ) as bar:  # fmt: skip
         summary = export_checkpoint(
             source,

@@ -16,10 +16,26 @@ def _cache_arguments(parser: argparse.ArgumentParser) -> None:
         "dir",
         nargs="?",
         default=None,
-        help="pack cache dir (default $PRIMUS_PACK_CACHE_DIR or $TMPDIR/primus_v4-UID/packs)",
+        help="pack cache dir (default $PRIMUS_PACK_CACHE_DIR, else $PRIMUS_LOCAL_ROOT/packs with "
+        "PRIMUS_LOCAL_ROOT defaulting to $TMPDIR/primus_v4-UID; with --config: the config's)",
     )
     parser.add_argument(
         "--cache-dir", default=None, help="the pack cache dir, as `primus-v4 pack` takes it"
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE_OR_NAME",
+        help="a run config (as `train --config` takes it): mark the entries its training and "
+        "evaluation data would load, and say which it would build; default dir: the config's",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="with --config: override one config value, as `train --set` does",
     )
     parser.add_argument(
         "--verify",
@@ -29,6 +45,24 @@ def _cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per entry")
 
 
+def _wanted(args: argparse.Namespace) -> dict[str, dict]:
+    """--config: the entries its run reads, by role ({role: {dir, key, hit}}); else nothing."""
+    from primus_v4.config import load_config
+    from primus_v4.config.resolve import pack_spec
+    from primus_v4.data.pipeline import cache_lookup
+    from primus_v4.errors import UsageError
+
+    if args.config is None:
+        if args.overrides:
+            raise UsageError("--set needs --config (the run config it overrides)")
+        return {}
+    cfg = load_config(args.config, args.overrides)
+    wanted = {"data.path": cache_lookup(pack_spec(cfg))}
+    if cfg.data.eval_path or cfg.data.eval_fraction > 0:
+        wanted["evaluation"] = cache_lookup(pack_spec(cfg, split="eval"))
+    return wanted
+
+
 def _cache_run(args: argparse.Namespace) -> int:
     from primus_v4.data import cache
     from primus_v4.errors import DataError
@@ -36,13 +70,17 @@ def _cache_run(args: argparse.Namespace) -> int:
     if args.dir and args.cache_dir and Path(args.dir) != Path(args.cache_dir):
         raise DataError(f"two cache dirs given ({args.dir} and --cache-dir {args.cache_dir}); "
                         "pass one")  # fmt: skip
+    wanted = _wanted(args)
     given = args.cache_dir or args.dir
+    if given is None and wanted:
+        given = wanted["data.path"]["dir"]
     root = Path(given).expanduser() if given else cache.default_cache_dir()
-    if not root.is_dir():
+    roles = {w["key"]: role for role, w in wanted.items() if Path(w["dir"]) == root}
+    if not root.is_dir() and (root.exists() or not wanted):
         what = "is not a directory" if root.exists() else "does not exist"
         raise DataError(f"pack cache dir {root} {what}")
     entries = []
-    for path in sorted(root.iterdir()):
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
         if not path.is_dir():
             continue
         if path.name.startswith(".tmp-pack-"):
@@ -51,22 +89,31 @@ def _cache_run(args: argparse.Namespace) -> int:
         if not path.name.startswith("pack-"):
             continue
         entries.append(_describe(path, verify=args.verify))
+        if entries[-1].get("key") in roles:
+            entries[-1]["used_by"] = roles[entries[-1]["key"]]
     corrupt = any(str(e["status"]).startswith("CORRUPT") for e in entries)
     if args.json:
         for item in entries:
             print(json.dumps(item))
+        for role, w in wanted.items():
+            print(json.dumps({"config": args.config, "role": role, **w}))
         return 1 if corrupt else 0
     print(f"{root}: {sum(1 for e in entries if 'key' in e)} pack cache entries")
     for item in entries:
         if "key" not in item:
             print(f"  {item['entry']}: {item['status']}")
             continue
+        used = f"  <- {item['used_by']}" if "used_by" in item else ""
         print(
             f"  {item['key']}  {item['status']:<10} {item['bytes'] / 2**20:8.1f} MiB  "
             f"seq={item['seq_length']} {item['algorithm']} packs={item['num_packs']} "
             f"samples={item['num_samples']} real={100 * item['real_fraction']:.1f}% "
-            f"supervised={100 * item['supervised_fraction']:.1f}%  data={item['data']}"
+            f"supervised={100 * item['supervised_fraction']:.1f}%  data={item['data']}{used}"
         )
+    for role, w in wanted.items():
+        found = "hit: the run loads it" if w["hit"] else "miss: the run builds it"
+        print(f"config {args.config}, {role}: key {w['key']} in {w['dir']}: "
+              f"{found}")  # fmt: skip
     return 1 if corrupt else 0
 
 
@@ -130,17 +177,21 @@ def _model_run(args: argparse.Namespace) -> int:
 
 
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
-    from primus_v4.config.schema import SECTIONS
-
     parser.add_argument(
-        "--section", choices=list(SECTIONS), default=None, help="only this section's keys"
+        "--section", default=None, help="only this section's keys (data, model, parallel, ...)"
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per key")
 
 
 def _config_run(args: argparse.Namespace) -> int:
     from primus_v4.config.reference import format_reference, reference
+    from primus_v4.config.schema import SECTIONS
+    from primus_v4.errors import UsageError
 
+    if args.section is not None and args.section not in SECTIONS:  # checked here, so that
+        # `primus-v4 --help` does not import the config schema
+        raise UsageError(f"--section: invalid choice: {args.section!r} (choose from "
+                         f"{', '.join(SECTIONS)})")  # fmt: skip
     if args.json:
         for entry in reference():
             if args.section in (None, entry["key"].partition(".")[0]):
@@ -238,7 +289,8 @@ def _memory_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _memory_run(args: argparse.Namespace) -> int:
     from primus_v4.config import load_config, resolve_run
-    from primus_v4.memory.gate import parse_device, report
+    from primus_v4.errors import OverMemoryError
+    from primus_v4.memory.gate import MemoryPlanError, check_fits, parse_device, report
     from primus_v4.memory.plan import plan_memory
 
     device, gib = parse_device(args.device_memory)
@@ -248,8 +300,12 @@ def _memory_run(args: argparse.Namespace) -> int:
         for p in plans:
             print(json.dumps({"stage": p.stage, "device_bytes": p.device_total,
                               "host_bytes": p.host_total, "rows": p.rows}))  # fmt: skip
-        return 0
-    print(report(run, plans, device, gib))
+    else:
+        print(report(run, plans, device, gib))
+    try:  # the launch gate's check and line; a script can tell a plan that fits by the status
+        check_fits(plans, device=device, gib=gib, ignore=False)
+    except MemoryPlanError as exc:
+        raise OverMemoryError(str(exc)) from None
     return 0
 
 

@@ -54,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-dir",
         default=None,
-        help="node-local cache dir (default $PRIMUS_PACK_CACHE_DIR or $TMPDIR/primus_v4-UID/packs)",
+        help="node-local cache dir (default $PRIMUS_PACK_CACHE_DIR, else $PRIMUS_LOCAL_ROOT/packs "
+        "with PRIMUS_LOCAL_ROOT defaulting to $TMPDIR/primus_v4-UID: the one train and the "
+        "recipes read)",
     )
     parser.add_argument(
         "--algorithm",
@@ -90,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lock-dir",
         default=None,
-        help="node-local lock dir (default $PRIMUS_PACK_LOCK_DIR or $TMPDIR/primus_v4-UID/locks)",
+        help="node-local lock dir (default $PRIMUS_PACK_LOCK_DIR, else $PRIMUS_LOCAL_ROOT/locks)",
     )
     parser.add_argument(
         "--lock-timeout",
@@ -99,63 +101,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds to wait for another process building the same packs (default 600)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4f}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in value.items()) or "none"
-    return str(value)
-
-
-def _special(counts: dict[str, int] | None) -> str:
-    if not counts:
-        return "not counted"
-    return f"{counts['rows']} ({counts['occurrences']} occurrences)"
-
-
-def summary_table(stats: dict[str, Any]) -> str:
-    rows = [
-        ("cache", f"{'hit' if stats['cache_hit'] else 'built'}  key={stats['cache_key']}"),
-        ("cache dir", stats.get("cache_dir", "")),
-        ("format", stats.get("format", "")),
-        ("rows read", stats.get("num_rows", "")),
-        ("chat format", stats.get("chat_format", "")),
-        ("chat modes (rows)", _fmt(stats.get("chat_modes", {}))),
-        ("bad rows", _fmt(stats["bad_rows"])),
-        ("special-token text (rows)", _special(stats.get("special_tokens_in_text"))),
-        *(
-            (f"  first bad row {k + 1}", f"{e['where']}: {e['detail']}")
-            for k, e in enumerate(stats.get("bad_row_examples", []))
-        ),
-        ("samples", stats["num_samples"]),
-        ("truncated / dropped", f"{stats['truncated']} / {stats['dropped']}"),
-        ("packs (lower bound)", f"{stats['num_packs']} ({stats.get('lower_bound_packs', '?')})"),
-        (
-            "samples per pack",
-            f"{stats.get('samples_per_pack_mean', 0):.2f} mean, "
-            f"{stats.get('samples_per_pack_min', 0)}-{stats.get('samples_per_pack_max', 0)}",
-        ),
-        ("total tokens", stats["total_tokens"]),
-        ("real tokens", f"{stats['real_tokens']} ({100 * stats['real_fraction']:.2f}%)"),
-        (
-            "supervised tokens",
-            f"{stats['supervised_tokens']} ({100 * stats['supervised_fraction']:.2f}%)",
-        ),
-        ("packs w/o 128-token sample", stats.get("packs_without_128_window", "")),
-        *(
-            (
-                f"source {k + 1}",
-                f"{src['path']} ({src['format']}, weight {src['weight']:g}): {src['samples']} "
-                f"samples, {src['tokens']} tokens, {src['supervised_tokens']} supervised",
-            )
-            for k, src in enumerate(stats.get("sources", []))
-        ),
-        ("build / load seconds", f"{stats['build_seconds']:.2f} / {stats['load_seconds']:.2f}"),
-    ]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
 
 def parse_data_args(items: list[str]) -> str | list[dict[str, Any]]:
@@ -208,6 +153,7 @@ def _writing(path: Path) -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     from primus_v4.data.pipeline import PackSpec, build_or_load
+    from primus_v4.data.stats_table import summary_table
     from primus_v4.durable import overlap_problem, writable_problem, write_durable
     from primus_v4.errors import PathError
 
@@ -238,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
             raise PathError(f"{flag} {path}: {clash}; write it elsewhere (pack never writes over "
                             "what it reads)")  # fmt: skip
         inputs[flag] = path
-    corpus = build_or_load(spec, progress=not args.no_progress)
+    corpus = build_or_load(spec, progress=False if args.no_progress else None)  # bars on a tty
     if args.stats_json is not None:
         with _writing(args.stats_json):
             write_durable(args.stats_json, json.dumps(corpus.stats, indent=2) + "\n")

@@ -18,8 +18,7 @@ import signal
 import sys
 from typing import Any
 
-from primus_v4.config import load_config, resolve_run, to_dict
-from primus_v4.errors import ExitCode
+from primus_v4.errors import ExitCode, Interrupted
 
 DESCRIPTION = """\
 Run one fine-tuning job. The config is a YAML file with one section per concern (data, model,
@@ -79,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from primus_v4.config import load_config, resolve_run, to_dict
     from primus_v4.config.preflight import check_paths
     from primus_v4.config.resolve import check_pretrained
     from primus_v4.training import run_dirs
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         if os.environ.get("NODE_RANK", "0") == "0":  # other nodes' checks race node 0's start
             run_dirs.check(cfg)
-        payload = {**to_dict(cfg), "derived": resolved.summary()}
+        payload = {**to_dict(cfg), "derived": {**resolved.summary(), **_pack_caches(resolved)}}
         print(json.dumps(payload, separators=(",", ":"), sort_keys=False))
         return 0
 
@@ -104,6 +104,37 @@ def run(args: argparse.Namespace) -> int:
 
     with run_dirs.claim(cfg) if main_rank else contextlib.nullcontext():
         return execute(Trainer(resolved))
+
+
+def resume_point(cfg: Any) -> str:
+    """What a rerun of an interrupted run starts from: the newest complete checkpoint's step,
+    or that nothing was saved."""
+    from pathlib import Path
+
+    from primus_v4.training.checkpoint.integrity import complete_checkpoints
+
+    ck = cfg.checkpoint
+    if not ck.dir:
+        return "nothing was saved (checkpoint.dir is not set): a rerun starts from step 0"
+    saved = complete_checkpoints(Path(ck.dir))
+    if not saved:
+        return f"no checkpoint in {ck.dir} yet: a rerun starts from step 0"
+    step = int(saved[-1].name.removeprefix("step_"))
+    if not ck.resume:
+        return (f"the newest checkpoint is step {step} ({saved[-1]}); checkpoint.resume is "
+                "false: rerun with --set checkpoint.resume=true to resume from it")  # fmt: skip
+    return f"rerun the same command to resume from step {step} ({saved[-1]})"
+
+
+def _pack_caches(resolved: Any) -> dict[str, Any]:
+    """The pack cache entries the run reads ({dir, key, hit}), for the dry run to show whether
+    packs built ahead (`primus-v4 pack`) are the ones the run will load."""
+    from primus_v4.data.pipeline import cache_lookup
+
+    out = {"pack_cache": cache_lookup(resolved.data)}
+    if resolved.eval_data is not None:
+        out["eval_pack_cache"] = cache_lookup(resolved.eval_data)
+    return out
 
 
 def _resumes(cfg: Any) -> bool:
@@ -119,7 +150,8 @@ def _resumes(cfg: Any) -> bool:
 def _memory_gate(resolved: Any, args: argparse.Namespace) -> int:
     """Plan and gate (memory/gate.py); 3 when a stage does not fit. Every rank checks
     (each must stop), rank 0 prints the plan and the one-line reason on stderr."""
-
+    if args.dry_run and args.device_memory is None:
+        return 0  # no plan: the planner (it imports the trainer's modules) stays unloaded
     from primus_v4.memory import gate as memory_gate
 
     if args.device_memory is not None:
@@ -145,6 +177,8 @@ def execute(trainer: Any) -> int:
 
     try:
         result = trainer.train()
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; {resume_point(trainer.cfg)}") from None
     finally:
         trainer.runtime.close()
     unsaved = result.stopped_at is not None and result.saved is None

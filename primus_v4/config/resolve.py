@@ -20,6 +20,7 @@ from primus_v4.config.schema import RunConfig
 from primus_v4.data import chat_format
 from primus_v4.data.pipeline import PackSpec
 from primus_v4.errors import CheckpointFormatError, ConfigError, DataError
+from primus_v4.log import get_logger
 from primus_v4.models import (
     DEFAULT_FAMILY,
     check_family,
@@ -32,6 +33,8 @@ from primus_v4.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
     from primus_v4.models.model_spec import ModelSpec
+
+log = get_logger(__name__)
 
 
 def world_size_from_env() -> int:
@@ -123,6 +126,14 @@ def model_family(cfg: RunConfig) -> str:
         return found
     with _reading_release(cfg.model.pretrained):
         found = release_family(cfg.model.pretrained)
+    preset = cfg.model.preset
+    preset_family = presets().get(preset, found) if preset is not None else found
+    if preset_family != found:
+        raise ConfigError(
+            f"model.preset: {preset!r} is a {preset_family!r} preset and model.pretrained="
+            f"{cfg.model.pretrained} a {found!r} release (config.json model_type); the release "
+            "is the model: drop model.preset"
+        )
     if named is not None and named != found:
         raise ConfigError(
             f"model.family: {named!r} conflicts with model.pretrained={cfg.model.pretrained} "
@@ -230,14 +241,22 @@ CHAT_FORMATS = {"deepseek_v4": "v4", "deepseek_v41": "v4.1"}
 
 def chat_format_of(cfg: RunConfig) -> str:
     """data.chat_format, `auto` resolved from the run's model: model.pretrained's config.json
-    (model_type, V4-0731's dspark_* keys), else the family of the preset."""
+    (model_type, V4-0731's dspark_* keys), else the family of the preset where the tokenizer has
+    that format's tokens (V4.1's preset on the bundled DeepSeek-V4 tokenizer: v4)."""
     if cfg.data.chat_format != "auto":
         return cfg.data.chat_format
     if cfg.model.pretrained is not None:
         found = chat_format.release_format(Path(cfg.model.pretrained))
         if found is not None:
             return found
-    return CHAT_FORMATS.get(model_family(cfg), "v4")
+    found = CHAT_FORMATS.get(model_family(cfg), "v4")
+    if found == "v4.1" and tokenizer_of(cfg) is None:
+        log.info(
+            "data.chat_format auto: v4 (the bundled DeepSeek-V4 tokenizer has no V4.1 tokens; "
+            "set data.tokenizer to V4.1's, or model.pretrained to a V4.1 release, for v4.1)"
+        )
+        return "v4"
+    return found
 
 
 def tokenizer_of(cfg: RunConfig) -> str | None:
@@ -361,10 +380,31 @@ def check_pretrained(cfg: RunConfig, model: Any) -> None:
         ) from None
 
 
+def check_lora_base(cfg: RunConfig) -> None:
+    """Adapters on a random base learn nothing a release could use: refused unless asked."""
+    lora = cfg.model.lora
+    if lora.rank > 0 and cfg.model.pretrained is None and not lora.allow_random_base:
+        raise ConfigError(
+            f"model.lora.rank={lora.rank} with no model.pretrained trains adapters on random "
+            "weights; set model.pretrained=DIR (a released checkpoint), or "
+            "model.lora.allow_random_base=true for a test or demo"
+        )
+
+
+def _say_what_model(cfg: RunConfig, model: Any) -> None:
+    """One INFO line when a preset is set beside a release (the release wins)."""
+    if cfg.model.pretrained is not None and cfg.model.preset is not None:
+        log.info("model.preset %r ignored: model.pretrained=%s is the model (%d layers, its "
+                 "config.json)", cfg.model.preset, cfg.model.pretrained,
+                 model.num_layers)  # fmt: skip
+
+
 def resolve_run(cfg: RunConfig, world: int | None = None) -> ResolvedRun:
     """Validate everything that can be validated without data or weights."""
+    check_lora_base(cfg)
     sizes = parallel_sizes(cfg, world_size_from_env() if world is None else world)
     model = model_config(cfg)
+    _say_what_model(cfg, model)
     check_model_fits(cfg, sizes, model)
     evaluates = bool(cfg.data.eval_path) or cfg.data.eval_fraction > 0
     return ResolvedRun(

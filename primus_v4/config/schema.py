@@ -115,6 +115,9 @@ LORA_TARGETS = (
 """LoRA targets by the release's module names inside a layer (`layers.N.attn.*`,
 `layers.N.ffn.*`): the attention projections, the attention's compressor, the shared and the
 routed experts (w1 gate, w3 up, w2 down). The indexer has no backward (it is frozen)."""
+LORA_ENGRAM_TARGETS = ("engram.wkv",)
+"""Targets of DeepSeek-V4.1 only (`layers.N.engram.wkv`: the Engram rows' key / value
+projection; off by default)."""
 LORA_DEFAULT_TARGETS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts.w1",
                         "shared_experts.w2", "shared_experts.w3", "experts.w1", "experts.w2",
                         "experts.w3")  # fmt: skip
@@ -131,7 +134,8 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapters' input (PEFT's lora_dropout)."""
     targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
-    """Which modules get adapters, by release name (LORA_TARGETS)."""
+    """Which modules get adapters, by release name (LORA_TARGETS; DeepSeek-V4.1 also
+    LORA_ENGRAM_TARGETS)."""
     expert_adapters: Literal["per_expert", "shared"] = "per_expert"
     """Routed experts: one adapter per expert, or one shared by the experts of a rank."""
     base: Literal["bfloat16", "release"] = "bfloat16"
@@ -139,6 +143,9 @@ class LoraConfig:
     stores it (release: FP8 / FP4 bytes and ue8m0 scales, decoded one weight at a time in the
     forward and backward; Flash's base ~160 GB instead of ~580 GB). A random-init base is
     quantized as a release would store it."""
+    allow_random_base: bool = False
+    """Adapters need a trained base: with rank > 0 and no model.pretrained the run is refused
+    unless this is true (tests and demos on the tiny presets)."""
 
     def __post_init__(self) -> None:
         _require(self.rank >= 0, "model.lora.rank", f"must be >= 0, got {self.rank}")
@@ -151,9 +158,10 @@ class LoraConfig:
                  f"{indexer}: the indexer only picks which compressed keys a query attends to "
                  "(a top-k, no gradient passes it), so adapters there could not learn; it stays "
                  "frozen")  # fmt: skip
-        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        known = LORA_TARGETS + LORA_ENGRAM_TARGETS
+        unknown = sorted(set(self.targets) - set(known))
         _require(not unknown, "model.lora.targets",
-                 f"unknown {unknown}; choose from {list(LORA_TARGETS)}")  # fmt: skip
+                 f"unknown {unknown}; choose from {list(known)}")  # fmt: skip
         _require(bool(self.targets) or not self.rank, "model.lora.targets",
                  "must name at least one module when model.lora.rank > 0")  # fmt: skip
         _require(len(set(self.targets)) == len(self.targets), "model.lora.targets",
@@ -197,8 +205,8 @@ class ModelConfig:
     `pretrained` release's config.json (which must agree with it when both are given)."""
     preset: str | None = None
     """A shipped preset (`primus-v4 inspect presets`; primus_v4/configs/models/<preset>.yaml,
-    DeepseekV4Config fields); None = `tiny`,
-    or the checkpoint's own config.json when `pretrained` is set (then a preset is an error)."""
+    DeepseekV4Config fields); None = `tiny`. With `pretrained` the release's config.json is the
+    model and a preset is ignored (one INFO line), or refused when of another family."""
     pretrained: str | None = None
     """A released checkpoint directory (config.json + safetensors, e.g. DeepSeek-V4-Flash) to
     start from: the model config comes from its config.json and each rank loads only its own
@@ -239,13 +247,6 @@ class ModelConfig:
             self.recompute_modules is None or self.recompute == "selective",
             "model.recompute_modules",
             f"applies to model.recompute: selective only (got recompute={self.recompute!r})",
-        )
-        _require(
-            self.pretrained is None or self.preset is None,
-            "model.preset",
-            f"{self.preset!r} conflicts with model.pretrained={self.pretrained!r}: a released "
-            "checkpoint brings its own config.json; drop model.preset (model.overrides still "
-            "apply)",
         )
         _require(self.pretrained != "", "model.pretrained", "must not be empty (or leave unset)")
 

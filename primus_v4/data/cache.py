@@ -54,8 +54,13 @@ class CacheInvalid(Exception):
 
 
 def _node_local_root() -> Path:
+    """$PRIMUS_LOCAL_ROOT, else $TMPDIR/primus_v4-UID: the recipes export the same variable, so
+    `primus-v4 pack`, `train` and the recipes share one default cache (<root>/packs)."""
     # Per user, on this node: home directories are often NFS (locks go stale across nodes there)
     # and a fixed name under /tmp would be shared between users.
+    given = os.environ.get("PRIMUS_LOCAL_ROOT")
+    if given:
+        return Path(given).expanduser()
     return Path(os.environ.get("TMPDIR") or "/tmp") / f"primus_v4-{os.getuid()}"
 
 

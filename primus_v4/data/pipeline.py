@@ -181,6 +181,15 @@ def pack_key(spec: PackSpec) -> str:
     )
 
 
+def cache_lookup(spec: PackSpec) -> dict[str, Any]:
+    """Where `spec`'s packs are cached and whether they are there (nothing is built or read
+    beyond the corpus and tokenizer hashes the key needs): {dir, key, hit}."""
+    cache_dir = spec.resolved_cache_dir()
+    key = pack_key(spec)
+    hit = (cache.entry_dir(cache_dir, key) / cache.MANIFEST).is_file()
+    return {"dir": str(cache_dir), "key": key, "hit": hit}
+
+
 class _Progress:
     """One tqdm bar per stage on stderr; enabled=None shows bars only on a terminal."""
 
@@ -192,7 +201,8 @@ class _Progress:
         from tqdm import tqdm
 
         self.close()
-        self._bar = tqdm(total=total, desc=desc, unit=" items", disable=self.disable)
+        unit = {"tokenize": " rows", "pack": " samples"}.get(desc, " items")
+        self._bar = tqdm(total=total, desc=desc, unit=unit, disable=self.disable)
         return self._bar.update
 
     def close(self) -> None:

@@ -98,6 +98,37 @@ def detect_shape(values: Sequence[Any]) -> str | None:
     return None
 
 
+IMAGE_PARTS = frozenset({"image", "image_url", "input_image"})
+IMAGE_FIELDS = ("images", "image")
+MESSAGE_LISTS = ("messages", "conversations", "prompt", "completion", "history")
+
+
+def _image_part(messages: Any) -> str | None:
+    """Where the first image content part of a list of messages sits, or None."""
+    if not isinstance(messages, list):
+        return None
+    for i, msg in enumerate(messages):
+        parts = msg.get("content", msg.get("value")) if isinstance(msg, dict) else None
+        for k, part in enumerate(parts if isinstance(parts, list) else []):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                return f"message {i} content part {k} ({part['type']})"
+    return None
+
+
+def check_no_images(row: dict[str, Any]) -> None:
+    """Refuse a row that carries an image (a content part of type image / image_url /
+    input_image, or an `images` / `image` field): the text model is trained, not its vision
+    tower, and dropping the image would train on a conversation that was not had."""
+    found = [f"field {k!r}" for k in IMAGE_FIELDS if row.get(k) not in (None, [], "")]
+    found += [f"{key} {w}" for key in MESSAGE_LISTS if (w := _image_part(row.get(key)))]
+    if found:
+        raise BadRow(
+            "image",
+            f"an image ({found[0]}): images are not trained (the vision tower is out of scope); "
+            "drop the row or its image",
+        )
+
+
 def _content(value: Any, where: str) -> str | None:
     """A string, None, or a list of {"type": "text", "text": ...} parts joined by a blank line
     (the encoder's own join for multi-part tool results)."""

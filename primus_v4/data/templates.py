@@ -29,7 +29,7 @@ from primus_v4.log import get_logger
 log = get_logger(__name__)
 
 # Part of the cache key: bump when rendering changes for the same rows and tokenizer.
-TEMPLATE_ID = "deepseek_recipe-0.2/v3"
+TEMPLATE_ID = "deepseek_recipe-0.2/v4"
 FORMATS = (*shapes.SHAPES, "auto")
 # The stats' chat-mode count of rows whose reasoning a forced chat mode does not render.
 CHAT_WITHOUT_REASONING = "chat, reasoning not rendered"
@@ -52,6 +52,7 @@ BAD_REASONS = {
     "misplaced_field": "a message carries a field its role cannot have",
     "unread_field": "a content field the row's format does not read",
     "unsupported_content": "a content part that is not text",
+    "image": "an image (content part or images field; the vision tower is not trained)",
     "bad_tools": "tools are not a list of function schemas",
     "bad_tool_call": "a tool call has no name or unusable arguments",
     "bad_task": "a user task is not a known task",
@@ -103,6 +104,7 @@ def row_samples(
     """
     if not isinstance(value, dict):
         raise BadRow("not_an_object", f"a {type(value).__name__}, not a JSON object")
+    shapes.check_no_images(value)
     messages = shapes.row_messages(value, shape)
     shapes.check_trainable(messages)
     thinking = any(m.get("reasoning_content") for m in messages if m["role"] == "assistant")
@@ -229,6 +231,25 @@ def _assemble(
     return np.concatenate(tokens_parts).astype(np.uint32), np.concatenate(sup_parts), lengths
 
 
+def _rows_done(
+    out: _Collected, advance: Callable[[int], None] | None
+) -> Callable[[int], None] | None:
+    """The tokenizer reports texts (a row renders to several); the bar counts rows."""
+    if advance is None:
+        return None
+    sample_of = out.piece_sample
+    done = {"texts": 0, "rows": 0}
+
+    def on_texts(n: int) -> None:
+        done["texts"] += n
+        rows = sample_of[done["texts"] - 1] + 1 if done["texts"] else 0
+        if rows > done["rows"]:
+            advance(rows - done["rows"])
+            done["rows"] = rows
+
+    return on_texts
+
+
 def render(
     rows: Sequence[RawRow],
     tokenizer: TextTokenizer,
@@ -277,8 +298,8 @@ def render(
                 else ""
             )
         )
-    on_progress = progress("tokenize", len(out.texts)) if progress is not None else None
-    tokens, supervised, lengths = _assemble(out, tokenizer, on_progress)
+    advance = progress("tokenize", len(out.rows)) if progress is not None else None
+    tokens, supervised, lengths = _assemble(out, tokenizer, _rows_done(out, advance))
     return Rendered(
         tokens=tokens,
         supervised=supervised,

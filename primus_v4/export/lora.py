@@ -126,16 +126,12 @@ class _release_base:
     def __init__(self, cfg: Any, directory: str) -> None:
         self.cfg, self.directory = cfg, directory
         self.release = spec_of(cfg).release
-        self.table = self.release.names.name_table(cfg)
 
     def __enter__(self):
         self.reader = self.release.open(self.directory).__enter__()
 
         def read(names: list[str]) -> dict[str, torch.Tensor]:
-            targets = {n: torch.empty(self.table[n].shape, dtype=torch.float32) for n in names}
-            with self.reader.concurrent(1) as read_into:
-                self.release.names.fill_state(self.cfg, targets, read_into=read_into)
-            return targets
+            return self.release.names.read_state(self.cfg, self.reader, names)
 
         return read
 

@@ -51,8 +51,9 @@ transformers' fused expert weights (they are reported missing and stay at their 
 rebuild the 3-D weights from per-expert keys named as the release names its experts
 (`experts.{i}.w1|w3|w2`, through transformers' deepseek_v4 key conversion), with the same config.
 The 3-D layout is what PEFT itself saves, so it is the one written.
-PEFT 0.21 warns that the rank_pattern / alpha_pattern keys of target_parameters matched no
-module (its check looks at target_modules only); they apply, or the shapes would not load.
+PEFT 0.21 warns about rank_pattern / alpha_pattern keys that match no targeted module (its check
+looks at target_modules only), so the keys of target_parameters also name a targeted module,
+behind a key of the global rank for that module (`rank_patterns`): no warning, same ranks.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from primus_v4.durable import partial_path
+from primus_v4.durable import new_file_mode, partial_path
 from primus_v4.errors import CheckpointError
+from primus_v4.models.common.peft_format import lora_config, rank_patterns
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -187,43 +189,31 @@ def router_tensors(own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {f"{ROUTER}.{hf}": own[ours] for ours, hf in ROUTER_PARTS.items() if ours in own}
 
 
-def adapter_config(lora: Any, o_groups: int, base_model: str | None, routers: bool) -> dict:
-    """adapter_config.json of a run's `model.lora` section (see the module docstring); `routers`:
-    the routers travel as modules_to_save."""
-    r, alpha = lora.rank, lora.alpha
+def adapter_config(lora: Any, cfg: Any, base_model: str | None, routers: bool) -> dict:
+    """adapter_config.json of a run's `model.lora` section on model config `cfg` (see the module
+    docstring); `routers`: the routers travel as modules_to_save."""
+    r, alpha, o_groups = lora.rank, lora.alpha, cfg.o_groups
     modules = sorted(HF_MODULES[t] for t in lora.targets if t in HF_MODULES)
-    params, rank_pattern, alpha_pattern = [], {}, {}
+    params, wider = [], {}
     if "wo_a" in lora.targets:
         params.append(WO_A_PARAM)
-        rank_pattern[WO_A_PARAM], alpha_pattern[WO_A_PARAM] = o_groups * r, o_groups * alpha
+        wider[WO_A_PARAM] = o_groups
     n = sum(t in lora.targets for t in GATE_UP_KINDS)
     if n:
         params.append(GATE_UP)
         if n > 1:
-            rank_pattern[GATE_UP], alpha_pattern[GATE_UP] = n * r, n * alpha
+            wider[GATE_UP] = n
     if "experts.w2" in lora.targets:
         params.append(DOWN)
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": r,
-        "lora_alpha": alpha,
-        # PEFT's parameter LoRA refuses dropout (it cannot apply it to the input); inference
-        # never uses it
-        "lora_dropout": 0.0 if params else lora.dropout,
-        "target_modules": modules or None,
-        "target_parameters": params or None,
-        "modules_to_save": [ROUTER] if routers else None,
-        "rank_pattern": rank_pattern,
-        "alpha_pattern": alpha_pattern,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-    }
+    rank_pattern, alpha_pattern = rank_patterns(
+        wider, r, alpha, anchor=modules[0] if modules else None
+    )
+    return lora_config(
+        rank=r, alpha=alpha, dropout=lora.dropout, base_model=base_model,
+        target_modules=modules, target_parameters=params,
+        modules_to_save=[ROUTER] if routers else None,
+        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+    )  # fmt: skip
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -244,23 +234,26 @@ def write_peft(
     dtype: torch.dtype | None = None,
     extra_files: Iterable[str | os.PathLike] = (),
     left_out: int = 0,
+    prefix: str = KEY_PREFIX,
 ) -> PeftSummary:
     """Write (layer index, `block_tensors`) pieces as a PEFT adapter directory at `out`
-    (LoRA tensors cast to `dtype` when given), atomically: a temp directory renamed into place when
-    complete, removed on any failure."""
+    (LoRA tensors cast to `dtype` when given; keys `<prefix>layers.N.<name>`), atomically: a temp
+    directory renamed into place when complete, removed on any failure."""
     tensors: dict[str, torch.Tensor] = {}
     for index, piece in layers:
         for name, t in piece.items():
             to = dtype if dtype is not None and ".lora_" in name else t.dtype  # routers as held
             # own storage each (safetensors refuses views of one tensor), contiguous
             cast = t.detach().to(to, memory_format=torch.contiguous_format, copy=True)
-            tensors[f"{KEY_PREFIX}layers.{index}.{name}"] = cast
+            tensors[f"{prefix}layers.{index}.{name}"] = cast
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(out)
     tmp.mkdir()
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        # safetensors writes through a private temp file (0600): give it a new file's mode
+        os.chmod(tmp / WEIGHTS_FILE, new_file_mode())
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         for path in extra_files:
             shutil.copyfile(path, tmp / Path(path).name)

@@ -29,14 +29,9 @@ from primus_v4.config import RunConfig, load_config
 from primus_v4.config.resolve import model_config, tokenizer_of
 from primus_v4.data.tokenizer import resolve_tokenizer_dir
 from primus_v4.errors import CheckpointError, ConfigError, describe_os_error
+from primus_v4.export import peft
 from primus_v4.export.lora import base_reader, is_adapter, load_group, merged_state
-from primus_v4.export.peft import (
-    PeftSummary,
-    adapter_config,
-    block_tensors,
-    router_tensors,
-    write_peft,
-)
+from primus_v4.export.peft import PeftSummary, write_peft
 from primus_v4.log import get_logger
 from primus_v4.models import release_spec, spec_of
 from primus_v4.training.checkpoint import integrity, safe_dcp
@@ -273,6 +268,9 @@ def export_adapters(
     _check_adapters(cfg, stored, source.checkpoint)
     mtp = [n for n in stored if is_adapter(n) and n.startswith("mtp.")]
     routers = source.run.model.router_bias_update_rate > 0  # the run moved gate.bias
+    # module names: the family's own (its release's, where transformers has no class for it),
+    # else transformers' (peft.py)
+    naming = spec_of(cfg).release.peft or peft
 
     def wanted(name: str) -> bool:
         return is_adapter(name) or (routers and ".moe.router." in name)
@@ -286,18 +284,17 @@ def export_adapters(
                 if read is not None:  # the router's weight is the base's (frozen)
                     own |= read([f"{prefix}moe.router.weight"])
                 own = {n.removeprefix(prefix): t for n, t in own.items()}
-                tensors = block_tensors(
+                tensors = naming.block_tensors(
                     {n: t for n, t in own.items() if is_adapter(n)}, lora.targets,
                     cfg.num_moe_experts,
                 )  # fmt: skip
-                yield index, tensors | router_tensors(own)
+                yield index, tensors | naming.router_tensors(own)
 
-    config = adapter_config(lora, cfg.o_groups, source.run.model.pretrained, routers)
+    config = naming.adapter_config(lora, cfg, source.run.model.pretrained, routers)
     tokenizer = tokenizer_files(resolve_tokenizer_dir(tokenizer_of(source.run)))
     try:
-        summary = write_peft(
-            out, layers(), config, dtype=dtype, extra_files=tokenizer, left_out=len(mtp)
-        )
+        summary = write_peft(out, layers(), config, dtype=dtype, extra_files=tokenizer,
+                             left_out=len(mtp), prefix=naming.KEY_PREFIX)  # fmt: skip
     except OSError as exc:
         error = describe_os_error(exc, "cannot write")
         raise type(error)(f"export of {source.checkpoint} to {out}: {error}; nothing was left "

@@ -239,10 +239,16 @@ def _auto(op: str, impls: list[tuple[str, _Impl]]) -> Callable:
 
 
 def resolve(op: str, backend: str | None = None) -> Callable:
-    """The implementation of `op` to use; logs the choice once per (op, choice)."""
+    """The implementation of `op` to use. The choice is logged once per (op, choice), at INFO
+    only where it is not the default (auto taking the torch reference); `primus-v4 inspect
+    kernels` shows why each other backend was refused."""
     choice = choose(op, backend)
     impls = _OPS[op]
-    _log_once(op, *choice.order, message=f"kernel {choice.describe()}")
+    if choice.wanted == "auto" and choice.order == ("torch",):
+        log.debug("kernel %s", choice.describe())
+    else:
+        _log_once(op, *choice.order, message=f"kernel {op}: {' -> '.join(choice.order)} "
+                  f"({choice.wanted}; `primus-v4 inspect kernels` says why)")  # fmt: skip
     if choice.wanted != "auto":
         return _explicit(op, choice.chosen, impls[choice.chosen])
     if len(choice.order) == 1:

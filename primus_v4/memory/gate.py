@@ -50,9 +50,10 @@ def accelerator_memory() -> tuple[str, float] | None:
 
 def header(run: Any, device: str, gib: float) -> str:
     s, c = run.sizes, run.cfg
+    model = c.model.pretrained or c.model.preset  # a release is the model (its preset ignored)
     return (
         f"memory plan per rank: world {s.world} = pp {s.pp} x cp {s.cp} x dp "
-        f"{s.world // (s.pp * s.cp)}, ep {s.ep}; {c.model.preset} {c.model.dtype}, seq "
+        f"{s.world // (s.pp * s.cp)}, ep {s.ep}; {model} {c.model.dtype}, seq "
         f"{c.data.seq_length}, offload {c.optim.offload_fraction}, device "
         f"{device.removeprefix('the device')} ({gib:.0f} GiB), recompute "
         f"{recompute_label(run.model)}, gradient buffers {c.optim.grad_accum_dtype}"

@@ -54,6 +54,10 @@ class ReleaseFormat:
     `fill_state`, `needed` (release names <-> ours)."""
     release_weights: Callable[[nn.Module], list[Any]]
     """model -> its weights kept as released (`ReleaseWeight`), empty when none are."""
+    peft: Any = None
+    """The PEFT export's module names when they are the family's own (a module with
+    `KEY_PREFIX`, `block_tensors`, `router_tensors`, `adapter_config`, as export/peft.py has);
+    None: transformers' names (export/peft.py)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ from torch import nn
 from primus_v4.config import ResolvedRun, write_resolved
 from primus_v4.config.resolve import check_pretrained, train_steps
 from primus_v4.data.pipeline import build_or_load
+from primus_v4.data.stats_table import summary_table
 from primus_v4.data.thd import ThdBatch
 from primus_v4.errors import PrimusError
 from primus_v4.log import get_logger
@@ -63,7 +65,7 @@ log = get_logger(__name__)
 def build_corpus(run: ResolvedRun) -> Corpus:
     """Pack the corpus through the node-local cache (or load the cached packs)."""
     corpus = build_or_load(run.data)
-    log.info("corpus: %s", {k: corpus.stats[k] for k in list(corpus.stats)[:13]})
+    log.info("corpus %s:\n%s", run.data.describe(), summary_table(corpus.stats))
     return corpus
 
 
@@ -261,7 +263,7 @@ class Trainer:
                 directory,
             )
             return None
-        show = self.runtime.is_main and self.cfg.output.progress_bar
+        show = self._bars()
         return self.spec.release.rank_loader(directory, progress=show)
 
     def _context_parallel(self) -> Any:
@@ -383,11 +385,16 @@ class Trainer:
                 writer.close()
         return result
 
+    def _bars(self) -> bool:
+        """Progress bars on rank 0 when output.progress_bar and stderr is a terminal (a log
+        file gets the step lines alone, not the bar's redraws)."""
+        return self.runtime.is_main and self.cfg.output.progress_bar and sys.stderr.isatty()
+
     def _loop(self, rows: list[StepMetrics], writer: MetricsWriter | None) -> None:
         from tqdm import tqdm
 
         steps = self.total_steps
-        show = self.runtime.is_main and self.cfg.output.progress_bar
+        show = self._bars()
         bar = tqdm(
             total=steps, initial=self.start_step, disable=not show, unit="step", dynamic_ncols=True
         )

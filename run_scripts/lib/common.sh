@@ -119,9 +119,14 @@ primus_add_set_if() {
 # primus_add_pretrained: PRIMUS_PRETRAINED=/path/to/DeepSeek-V4-Flash (a released checkpoint dir:
 # config.json + safetensors shards) starts the run from its weights: model.pretrained is set and
 # model.preset cleared (the checkpoint's config.json is the model; model.overrides still apply).
-# Its tokenizer is used unless V4_TOKENIZER or the probe set data.tokenizer. Empty = random init.
+# Its tokenizer is used unless V4_TOKENIZER or the probe set data.tokenizer. Empty = random init,
+# said in one WARNING line.
 primus_add_pretrained() {
-  [[ -n "${PRIMUS_PRETRAINED:-}" ]] || return 0
+  if [[ -z "${PRIMUS_PRETRAINED:-}" ]]; then
+    primus_log "WARNING: PRIMUS_PRETRAINED is not set: the model starts from random weights" \
+      "(set it to a released checkpoint dir, e.g. /apps/DeepSeek-V4-Flash, to fine-tune one)"
+    return 0
+  fi
   [[ -f "${PRIMUS_PRETRAINED}/config.json" ]] ||
     primus_die_with "${PRIMUS_EXIT_PRETRAINED}" "PRIMUS_PRETRAINED=${PRIMUS_PRETRAINED} has no config.json; point it at a released" \
       "checkpoint directory (config.json + model.safetensors.index.json + shards)," \

@@ -95,7 +95,12 @@ def summarize(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "data_path": lookup(config, "data.path"),
         # The probed dir, else the config's data.tokenizer, else the bundled DeepSeek-V4 one.
         "tokenizer": args.tokenizer or lookup(config, "data.tokenizer") or "bundled",
-        "pack_cache_dir": lookup(config, "data.cache_dir"),
+        "pack_cache_dir": lookup(
+            config, "derived.pack_cache.dir", lookup(config, "data.cache_dir")
+        ),
+        # The entry the run reads, and whether it is there already (built ahead by `pack`).
+        "pack_cache_key": lookup(config, "derived.pack_cache.key"),
+        "pack_cache_hit": lookup(config, "derived.pack_cache.hit"),
         "pack_lock_dir": lookup(config, "data.lock_dir"),
         "output_dir": lookup(config, "output.dir"),
         "checkpoint_dir": lookup(config, "checkpoint.dir"),

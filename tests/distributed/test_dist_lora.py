@@ -14,7 +14,12 @@ from harness import train_metrics
 
 from primus_v4.training.checkpoint.store import LATEST, step_dir
 
-LORA = ("model.lora.rank=8", "model.lora.alpha=16", "train.lr=0.02")
+LORA = (
+    "model.lora.rank=8",
+    "model.lora.allow_random_base=true",
+    "model.lora.alpha=16",
+    "train.lr=0.02",
+)
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from train_fakes import RAGGED_PACKS, FakeCorpus, tiny_run
 
 from primus_v4.training.trainer import Trainer
 
-LORA = ("model.lora.rank=8", "model.lora.alpha=16", "train.global_batch_size=2",
-        "train.warmup_steps=1", "train.lr=0.01")  # fmt: skip
+LORA = ("model.lora.rank=8", "model.lora.allow_random_base=true", "model.lora.alpha=16",
+        "train.global_batch_size=2", "train.warmup_steps=1", "train.lr=0.01")  # fmt: skip
 
 
 def lora_trainer(tmp: Path, name: str, *settings: str) -> Trainer:

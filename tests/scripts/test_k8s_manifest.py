@@ -117,7 +117,7 @@ def test_each_replica_renders_its_torchrun_command(tmp_path, rank, per_process):
     r = run.resolved
     assert (r["nnodes"], r["gpus_per_node"], r["node_rank"]) == (3, 8, rank)
     assert (r["master_addr"], r["master_port"]) == ("primus-v4-sft-master-0", 29500)
-    assert r["pack_cache_dir"] == f"{env['PRIMUS_LOCAL_ROOT']}/pack_cache"
+    assert r["pack_cache_dir"] == f"{env['PRIMUS_LOCAL_ROOT']}/packs"
     assert r["checkpoint_dir"] == f"{env['PRIMUS_OUTPUT_DIR']}/checkpoints"
     assert r["packed"] is True and r["world_size"] == 24
     launcher = f"{shlex.quote(sys.executable)} -m torch.distributed.run"
@@ -125,7 +125,7 @@ def test_each_replica_renders_its_torchrun_command(tmp_path, rank, per_process):
         f"{launcher} --nnodes 3 --node_rank {rank} --nproc_per_node 8 "
         "--master_addr primus-v4-sft-master-0 --master_port 29500 -m primus_v4 train --config "
     )
-    assert f"--set data.cache_dir={env['PRIMUS_LOCAL_ROOT']}/pack_cache" in run.command
+    assert f"--set data.cache_dir={env['PRIMUS_LOCAL_ROOT']}/packs" in run.command
     assert f"--set checkpoint.dir={env['PRIMUS_OUTPUT_DIR']}/checkpoints" in run.command
     assert f"entrypoint.sh: pod {rank}/3, 8 GPUs" in run.stderr
 

@@ -54,6 +54,10 @@ CASES = {
     f"{MULTI}: PRIMUS_EXTRA_SETS malformed": (
         MULTI, {**NODE, "PRIMUS_EXTRA_SETS": "oops"}, ExitCode.CONFIG, "is not key=value"
     ),
+    "run_lora_flash_1node.sh: adapters on random weights": (
+        "run_lora_flash_1node.sh", {}, ExitCode.CONFIG,
+        "model.lora.rank=16 with no model.pretrained trains adapters on random weights",
+    ),
     f"{MULTI}: PRIMUS_CP out of range for the world": (
         MULTI, {**NODE, "PRIMUS_CP": "5"}, ExitCode.CONFIG, "parallel.cp=5"
     ),

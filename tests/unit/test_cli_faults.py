@@ -204,6 +204,25 @@ def _(ws: Ws):
     yield ["train", "--dry-run", "--set", "model.lora.rank=4", "--set", "model.lora.base=fp8"]
 
 
+@case(
+    "train: LoRA on random weights",
+    ExitCode.CONFIG,
+    "model.lora.rank=4 with no model.pretrained trains adapters on random weights",
+)
+def _(ws: Ws):
+    yield ["train", "--dry-run", "--set", "model.lora.rank=4"]
+
+
+@case(
+    "train: a preset of another family beside model.pretrained",
+    ExitCode.CONFIG,
+    "model.preset: 'tiny_v41' is a 'deepseek_v41' preset",
+)
+def _(ws: Ws):
+    yield ["train", "--dry-run", "--set", "model.preset=tiny_v41",
+           "--set", f"model.pretrained={ws.release()}"]  # fmt: skip
+
+
 @case("train: LoRA base as released from an unquantized release", ExitCode.PRETRAINED,
       "is stored as fp32, not FP8 / FP4")  # fmt: skip
 def _(ws: Ws):
@@ -489,6 +508,15 @@ def _(ws: Ws):
 @case("inspect memory: --world-size out of range", ExitCode.CONFIG, "--world-size 0")
 def _(ws: Ws):
     yield ["inspect", "memory", "--world-size", "0"]
+
+
+@case(
+    "inspect memory: a stage over the device",
+    ExitCode.OVER_MEMORY,
+    "memory plan: pipeline stage 0 needs",
+)
+def _(ws: Ws):
+    yield ["inspect", "memory", "--device-memory", "0.01"]
 
 
 @case("inspect memory: --config missing", ExitCode.CONFIG, "does not exist")

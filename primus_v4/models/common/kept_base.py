@@ -18,26 +18,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from primus_v4.checkpoint_formats.fp8_fp4 import (
-    FP4_BLOCK,
-    FP8_BLOCK,
+    FP4_1X32,
+    FP8_128X128,
+    QuantFormat,
     dequantize_fp4,
     dequantize_fp8,
 )
 
+# DeepSeek-V4's block shapes; a family whose release stores others passes its own `formats`
+V4_FORMATS: dict[str, QuantFormat] = {"fp8": FP8_128X128, "fp4": FP4_1X32}
 
-def _decode(kind: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+
+def _decode(
+    fmt: QuantFormat, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """One stored 2-D weight (uint8 codes, uint8 ue8m0 scales) as `dtype` [N, K]."""
-    if kind == "fp8":
-        return dequantize_fp8(q.view(torch.float8_e4m3fn), scale, dtype)
-    return dequantize_fp4(q, scale, dtype)
+    if fmt.kind == "fp8":
+        return dequantize_fp8(q.view(torch.float8_e4m3fn), scale, dtype, fmt=fmt)
+    return dequantize_fp4(q, scale, dtype, fmt=fmt)
 
 
 class ReleaseWeight(nn.Module):
     """One of our base tensors (`ours`, e.g. `layers.3.moe.w_gate_up`) as the release stores
     it. `entry` is the family's name-table entry (`ours`, `op`, `release`: the release tensors
-    with `kind` and `shape`). Layout of the `q` / `scale` byte buffers by table op:
-      copy, wo_a  FP8 [N, K] / [ceil(N/128), ceil(K/128)], the release tensor itself
-      cat0        FP8 [2, F, D] / [2, ceil(F/128), ceil(D/128)]: w1 then w3
+    with `kind` and `shape`); `formats` the release's block shape per kind (V4: FP8 128 x 128,
+    FP4 1 x 32; b x b below). Layout of the `q` / `scale` byte buffers by table op:
+      copy, wo_a  FP8 [N, K] / [ceil(N/b), ceil(K/b)], the release tensor itself
+      cat0        FP8 [2, F, D] / [2, ceil(F/b), ceil(D/b)]: w1 then w3
       gate_up     FP4 [E, 2, F, D/2] / [E, 2, F, D/32]: expert e's w1 then w3
       down        FP4 [E, D, F/2] / [E, D, F/32]
     `self()` decodes the whole tensor, in our shape and `dtype`."""
@@ -49,18 +56,16 @@ class ReleaseWeight(nn.Module):
         shape: tuple[int, ...],
         dtype: torch.dtype,
         device: torch.device | str,
+        formats: dict[str, QuantFormat] = V4_FORMATS,
     ) -> None:
         super().__init__()
         kinds = {r.kind for r in entry.release}
         if len(kinds) != 1 or not kinds <= {"fp8", "fp4"}:
             raise ValueError(f"{entry.ours}: the release stores it as {sorted(kinds)}, not FP8/FP4")
         self.ours, self.op, self.kind = entry.ours, entry.op, kinds.pop()
-        self.shape, self.dtype = tuple(shape), dtype
+        self.shape, self.dtype, self.fmt = tuple(shape), dtype, formats[self.kind]
         n, k = entry.release[0].shape
-        if self.kind == "fp8":
-            codes, scales = (n, k), (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
-        else:
-            codes, scales = (n, k // 2), (n, k // FP4_BLOCK)
+        codes, scales = ((n, k) if self.kind == "fp8" else (n, k // 2)), self.fmt.scale_shape(n, k)
         lead = {"copy": (), "wo_a": (), "cat0": (2,), "gate_up": (shape[0], 2),
                 "down": (shape[0],)}[self.op]  # fmt: skip
         kw = {"dtype": torch.uint8, "device": device}
@@ -83,12 +88,12 @@ class ReleaseWeight(nn.Module):
     @torch.no_grad()
     def forward(self) -> torch.Tensor:
         if self.op == "cat0":
-            return torch.cat([_decode(self.kind, q, s, self.dtype) for q, s in self.stored_parts()])
+            return torch.cat([_decode(self.fmt, q, s, self.dtype) for q, s in self.stored_parts()])
         if self.op in ("copy", "wo_a"):
-            return _decode(self.kind, self.q, self.scale, self.dtype).view(self.shape)
+            return _decode(self.fmt, self.q, self.scale, self.dtype).view(self.shape)
         rows = self.q.shape[-2] * math.prod(self.q.shape[:-2])  # FP4 scales are per row
         q, scale = self.q.reshape(rows, -1), self.scale.reshape(rows, -1)
-        return _decode(self.kind, q, scale, self.dtype).view(self.shape)
+        return _decode(self.fmt, q, scale, self.dtype).view(self.shape)
 
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel()
@@ -146,6 +151,30 @@ class ReleaseLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The decoded weight (a new tensor; for code that reads `.weight`)."""
         return self.source()
+
+
+EXPERT_TAGS = ("expert_parallel", "expert_group")
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr
+
+
+def install(model: nn.Module, name: str, param: torch.Tensor, source: ReleaseWeight) -> None:
+    """Put `source` where parameter `name` of `model` was: an nn.Linear's weight becomes a
+    `ReleaseLinear`; any other (a grouped wo_a, the routed experts' w_gate_up / w_down) leaves
+    its attribute for `<attr>_release`. The expert-parallel tags travel with it."""
+    for tag in EXPERT_TAGS:
+        if hasattr(param, tag):
+            setattr(source, tag, getattr(param, tag))
+    owner, attr = _owner(model, name)
+    if isinstance(owner, nn.Linear) and attr == "weight":
+        parent, child = _owner(model, name.rpartition(".")[0])
+        setattr(parent, child, ReleaseLinear(source))
+    else:
+        delattr(owner, attr)
+        setattr(owner, f"{attr}_release", source)
 
 
 def release_weights(model: nn.Module) -> Iterator[ReleaseWeight]:

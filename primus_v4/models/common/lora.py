@@ -1,20 +1,37 @@
-"""LoRA pieces every model family reuses: the spec, the adapter base (scale, dropout, zero-B /
-uniform-A init drawn per parameter name), `LoRALinear` over a plain or kept-as-released linear,
-and the base-tensor accessors. Which modules a family adapts is the family's
-(`models/<family>/lora.py`).
+"""LoRA pieces every model family reuses: the spec, the adapter kinds, `apply_lora` and the
+merged weights. Which modules of a layer a family adapts, by release name, is the family's
+(`models/<family>/lora.py`: its layer classes and a `linear_targets(layer)` table).
 
-Legend: T = rows, r = adapter rank, k = adapted output spans, s = alpha / r.
+Legend: T = rows, r = adapter rank, k = adapted output spans, G = output groups, E = routed
+experts of the rank (E' = E per expert, 1 shared), F = expert ffn, s = alpha / r.
+
+A target gains s * B A x beside its frozen weight W: y = W x + s B A dropout(x). A starts
+uniform in +-1/sqrt(in) (PEFT's kaiming-uniform with a = sqrt(5)), B at zero, so a fresh model
+computes exactly the base model's numbers (adding zeros changes no bit).
+- nn.Linear weights become `LoRALinear`: the same `weight` Parameter (or the weight kept as
+  released), plus `lora_A` [k, r, in] and `lora_B` [k, out_k, r] for k adapted output spans (a
+  shared expert's fused gate_up holds w1 rows [0, F) and w3 rows [F, 2F): one span each);
+- an attention's grouped wo_a [G, O, H*D/G] gets one adapter per group (`GroupedLoRA`, batched
+  like wo_a itself; the attention adds `wo_a_lora`'s output);
+- the routed experts' w1 / w3 / w2 get `ExpertAdapters`, per expert ([E, ...], drawn per global
+  expert index so an expert shard is rows of the whole) or one shared by the rank's experts,
+  run by the grouped-experts kernel (kernels/grouped_experts.py: grouped GEMMs).
+Every adapter draws from a generator of (seed, its parameter name), experts from (seed, name,
+global expert index): a pipeline stage or expert shard gets the same adapters as one process.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from primus_v4.kernels.grouped_experts import ExpertLoRA
 from primus_v4.models.common.kept_base import ReleaseLinear, frozen_linear
 from primus_v4.models.common.seeds import param_seed
 
@@ -33,6 +50,17 @@ class LoraSpec:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @classmethod
+    def of(cls, section: Any) -> LoraSpec:
+        """The spec of a run config's `model.lora` section."""
+        return cls(
+            rank=section.rank,
+            alpha=section.alpha,
+            dropout=section.dropout,
+            targets=tuple(section.targets),
+            expert_adapters=section.expert_adapters,
+        )
 
 
 def _uniform(shape: tuple[int, ...], fan_in: int, seed: int, name: str) -> torch.Tensor:
@@ -91,11 +119,21 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight) if self.source is None else frozen_linear(x, self.source)
+        return y + self._delta(x, self.lora_A, self.lora_B).view_as(y)
+
+    def forward_float32(self, x32: torch.Tensor) -> torch.Tensor:
+        """The same map computed in float32 whatever the weights' dtype (a float32 path such as
+        the V4.1 compressor's pooling scores)."""
+        y = F.linear(x32, self.base_weight().float())
+        return y + self._delta(x32, self.lora_A.float(), self.lora_B.float()).view_as(y)
+
+    def _delta(self, x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.Tensor:
+        """s B_k A_k x on each span k, zero on the rows outside the spans: [T, out]."""
         x2 = self.dropout(x).reshape(-1, self.in_features)
-        z = torch.einsum("ti,kri->ktr", x2, self.lora_A)
-        d = torch.bmm(z, self.lora_B.transpose(1, 2)) * self.scale  # [k, T, size]
+        z = torch.einsum("ti,kri->ktr", x2, lora_A)
+        d = torch.bmm(z, lora_B.transpose(1, 2)) * self.scale  # [k, T, size]
         if len(self.spans) == 1 and self.spans[0] == (0, self.out_features):
-            return y + d[0].view_as(y)
+            return d[0]
         pieces, at = [], 0
         for (lo, n), dk in sorted(zip(self.spans, d, strict=True), key=lambda p: p[0][0]):
             if lo > at:
@@ -104,7 +142,14 @@ class LoRALinear(nn.Linear):
             at = lo + n
         if at < self.out_features:
             pieces.append(d.new_zeros(d.shape[1], self.out_features - at))
-        return y + torch.cat(pieces, dim=1).view_as(y)
+        return torch.cat(pieces, dim=1)
+
+
+def float32_linear(linear: nn.Module, x32: torch.Tensor) -> torch.Tensor:
+    """`linear` (a plain, kept-as-released or adapted bias-free linear) applied in float32."""
+    if isinstance(linear, LoRALinear):
+        return linear.forward_float32(x32)
+    return F.linear(x32, linear.weight.float())
 
 
 def base_kw(owner: nn.Module, name: str) -> dict:
@@ -120,3 +165,173 @@ def base_value(owner: nn.Module, name: str) -> torch.Tensor:
     """`owner`'s base tensor `name`, decoded when kept as released."""
     released = getattr(owner, f"{name}_release", None)
     return released() if released is not None else getattr(owner, name)
+
+
+EXPERT_TARGETS = {"experts.w1": "gate", "experts.w3": "up", "experts.w2": "down"}
+LinearTargets = Callable[[nn.Module], dict[str, tuple[nn.Module, str]]]
+"""layer -> {release name inside the layer: (owner module, attribute) of its nn.Linear}."""
+
+
+class GroupedLoRA(_Adapter):
+    """One adapter per output group of wo_a [G, O, I]: s B_g A_g o_g, batched over groups."""
+
+    def __init__(self, attn: nn.Module, spec: LoraSpec) -> None:
+        super().__init__(spec)
+        base = attn.wo_a_release
+        g, o, i = base.shape if base is not None else attn.wo_a.shape
+        kw = base_kw(attn, "wo_a")
+        self.lora_A = nn.Parameter(torch.empty(g, spec.rank, i, **kw))
+        self.lora_B = nn.Parameter(torch.zeros(g, o, spec.rank, **kw))
+
+    def init_adapters(self, seed: int, name: str) -> None:
+        with torch.no_grad():
+            fan_in = self.lora_A.shape[-1]
+            self.lora_A.copy_(_uniform(tuple(self.lora_A.shape), fan_in, seed, f"{name}.lora_A"))
+            self.lora_B.zero_()
+
+    def forward(self, o_GTI: torch.Tensor) -> torch.Tensor:
+        z = torch.bmm(self.dropout(o_GTI), self.lora_A.transpose(1, 2))
+        return torch.bmm(z, self.lora_B.transpose(1, 2)) * self.scale
+
+
+class ExpertAdapters(_Adapter):
+    """The routed experts' adapters: `{gate,up,down}_A` / `_B`, [E', r, in] / [E', out, r]."""
+
+    def __init__(self, moe: nn.Module, spec: LoraSpec, kinds: list[str]) -> None:
+        super().__init__(spec)
+        base = moe.w_gate_up if moe.w_gate_up_release is None else moe.w_gate_up_release
+        e, two_f, d = base.shape
+        f, shared = two_f // 2, spec.expert_adapters == "shared"
+        self.shared, self.kinds = shared, kinds
+        self.adapter_params = frozenset(f"{k}_{m}" for k in kinds for m in "AB")
+        self.expert_offset = getattr(moe, "expert_offset", 0)
+        n = 1 if shared else e
+        kw = base_kw(moe, "w_gate_up")
+        dims = {"gate": (d, f), "up": (d, f), "down": (f, d)}
+        for kind in kinds:
+            fan_in, out = dims[kind]
+            self.register_parameter(f"{kind}_A", nn.Parameter(torch.empty(n, spec.rank, fan_in,
+                                                                          **kw)))  # fmt: skip
+            self.register_parameter(f"{kind}_B", nn.Parameter(torch.zeros(n, out, spec.rank,
+                                                                          **kw)))  # fmt: skip
+            if not shared:  # sharded like the expert weights (gradients over expert-DP)
+                for p in (getattr(self, f"{kind}_A"), getattr(self, f"{kind}_B")):
+                    for tag in ("expert_parallel", "expert_group"):
+                        if hasattr(base, tag):
+                            setattr(p, tag, getattr(base, tag))
+
+    def init_adapters(self, seed: int, name: str) -> None:
+        with torch.no_grad():
+            for kind in self.kinds:
+                a, b = getattr(self, f"{kind}_A"), getattr(self, f"{kind}_B")
+                for i in range(a.shape[0]):
+                    which = "shared" if self.shared else str(self.expert_offset + i)
+                    draw = _uniform(tuple(a.shape[1:]), a.shape[-1], seed,
+                                    f"{name}.{kind}_A.{which}")  # fmt: skip
+                    a[i].copy_(draw)
+                b.zero_()
+
+    def kernel_args(self) -> ExpertLoRA:
+        pairs = {k: (getattr(self, f"{k}_A"), getattr(self, f"{k}_B")) for k in self.kinds}
+        drop = None if isinstance(self.dropout, nn.Identity) else self.dropout
+        return ExpertLoRA(**pairs, scale=self.scale, drop=drop)
+
+
+def _linear_spans(target: str, linear: nn.Linear) -> list[tuple[int, int]]:
+    """(first row, rows) of `target` in `linear`: the shared expert's gate_up holds w1 rows
+    [0, F) then w3 rows [F, 2F); every other target is the whole weight."""
+    half = linear.out_features // 2
+    if target == "shared_experts.w1":
+        return [(0, half)]
+    if target == "shared_experts.w3":
+        return [(half, half)]
+    return [(0, linear.out_features)]
+
+
+def _adapt_linears(layer: nn.Module, spec: LoraSpec, table: dict) -> None:
+    grouped: dict = {}
+    for target in spec.targets:
+        if target in table:  # absent ones (a compressor of a dense layer) are skipped
+            owner, attr = table[target]
+            spans = _linear_spans(target, getattr(owner, attr))
+            grouped.setdefault((id(owner), attr), (owner, attr, []))[2].extend(spans)
+    for owner, attr, spans in grouped.values():
+        setattr(owner, attr, LoRALinear(getattr(owner, attr), spec, sorted(spans)))
+
+
+def apply_lora(
+    model: nn.Module,
+    spec: LoraSpec,
+    *,
+    seed: int,
+    layers: tuple[type, ...],
+    linear_targets: LinearTargets,
+) -> int:
+    """Freeze every parameter of `model` (a whole model or a rank's stage and expert shard,
+    materialized) and add `spec`'s adapters to each of its `layers` (module classes with `attn`
+    and `moe`; `linear_targets` names their nn.Linear targets). Returns the adapter parameters
+    added on this rank."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    kinds = sorted(EXPERT_TARGETS[t] for t in spec.targets if t in EXPERT_TARGETS)
+    for layer in [m for m in model.modules() if isinstance(m, layers)]:
+        _adapt_linears(layer, spec, linear_targets(layer))
+        if "wo_a" in spec.targets:
+            layer.attn.wo_a_lora = GroupedLoRA(layer.attn, spec)
+        if kinds:
+            layer.moe.expert_lora = ExpertAdapters(layer.moe, spec, kinds)
+    model.adapters_only = True  # checkpoints hold the adapters (and buffers), not the base
+    added = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (LoRALinear, GroupedLoRA, ExpertAdapters)):
+            module.init_adapters(seed, name)
+            added += sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return added
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """The names of `model`'s trainable (adapter) parameters."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _merged_experts(moe: nn.Module) -> dict[str, torch.Tensor]:
+    ad = moe.expert_lora
+    gu = base_value(moe, "w_gate_up").float().clone()
+    down = base_value(moe, "w_down").float().clone()
+    f = gu.shape[1] // 2
+    for kind in ad.kinds:
+        a, b = getattr(ad, f"{kind}_A").float(), getattr(ad, f"{kind}_B").float()
+        delta = (torch.bmm(b, a) * ad.scale).expand(gu.shape[0], -1, -1)  # shared: E' = 1
+        if kind == "gate":
+            gu[:, :f] += delta
+        elif kind == "up":
+            gu[:, f:] += delta
+        else:
+            down += delta
+    out = {}
+    if {"gate", "up"} & set(ad.kinds):
+        out["w_gate_up"] = gu
+    if "down" in ad.kinds:
+        out["w_down"] = down
+    return out
+
+
+@torch.no_grad()
+def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{base parameter name: W + s B A} for every adapted weight of `model`, computed in float32
+    and returned in float32 (the caller casts or quantizes): what a merged export writes."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LoRALinear):
+            w = module.base_weight().float().clone()
+            for (lo, n), a, b in zip(module.spans, module.lora_A, module.lora_B, strict=True):
+                w[lo : lo + n] += module.scale * (b.float() @ a.float())
+            out[f"{prefix}weight"] = w
+        elif getattr(module, "wo_a_lora", None) is not None:
+            ad = module.wo_a_lora
+            delta = torch.bmm(ad.lora_B.float(), ad.lora_A.float()) * ad.scale
+            out[f"{prefix}wo_a"] = base_value(module, "wo_a").float() + delta
+        elif getattr(module, "expert_lora", None) is not None:
+            out |= {f"{prefix}{k}": v for k, v in _merged_experts(module).items()}
+    return out

@@ -29,14 +29,7 @@ def _step_hooks(modules: Iterable[nn.Module], section: Any, *, group: Any = None
 
 def _add_adapters(module: nn.Module, section: Any, *, seed: int) -> int:
     """LoRA from the run config's `model.lora` section (lora.py)."""
-    spec = LoraSpec(
-        rank=section.rank,
-        alpha=section.alpha,
-        dropout=section.dropout,
-        targets=tuple(section.targets),
-        expert_adapters=section.expert_adapters,
-    )
-    return apply_lora(module, spec, seed=seed)
+    return apply_lora(module, LoraSpec.of(section), seed=seed)
 
 
 SPEC = ModelSpec(

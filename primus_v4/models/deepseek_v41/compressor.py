@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from primus_v4.models.common.lora import float32_linear
 from primus_v4.models.deepseek_v4.layout import RowLayout, SeqComm
 from primus_v4.models.deepseek_v4.norm import RMSNorm
 
@@ -122,8 +123,8 @@ class Compressor(nn.Module):
         if self.wgate is None:
             return self.norm(self.wkv(x_TD.index_select(0, rows[:, 0])))
         x32 = x_TD.float()
-        kv_TD = nn.functional.linear(x32, self.wkv.weight.float())
-        score_TD = nn.functional.linear(x32, self.wgate.weight.float())
+        kv_TD = float32_linear(self.wkv, x32)  # LoRA adapters (common/lora.py) included
+        score_TD = float32_linear(self.wgate, x32)
         kv_PRD, score_PRD = kv_TD[rows], score_TD[rows]
         pooled = (kv_PRD * score_PRD.softmax(dim=1)).sum(dim=1)
         return self.norm(pooled.to(x_TD.dtype))

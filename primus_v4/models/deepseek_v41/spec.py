@@ -1,19 +1,20 @@
 """DeepSeek-V4.1's `ModelSpec`: how the rest of the package builds, cuts, loads and updates it.
 
-Shared with DeepSeek-V4: the expert-parallel and data-parallel cut, the router bias update. V4.1's
-own: the pipeline stage (the shared compressed cache crosses stage boundaries) and the CP
-boundaries (infra/). Not available for V4.1 yet (each refused with one line): LoRA, and keeping
-the base as released.
+Shared with DeepSeek-V4: the expert-parallel and data-parallel cut, the router bias update, the
+LoRA machinery (lora.py) and the base kept as released (release/kept_base.py). V4.1's own: the
+pipeline stage (the shared compressed cache crosses stage boundaries) and the CP boundaries
+(infra/).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from primus_v4.errors import ConfigError
+from primus_v4.models.common.kept_base import release_weights
 from primus_v4.models.deepseek_v4 import spec as v4
 from primus_v4.models.deepseek_v4.config import PRESET_DIR
 from primus_v4.models.deepseek_v4.infra.parallelize import is_meta
+from primus_v4.models.deepseek_v41 import lora, peft
 from primus_v4.models.deepseek_v41.config import LAYER_KINDS, DeepseekV41Config
 from primus_v4.models.deepseek_v41.engram_placement import place_for_run
 from primus_v4.models.deepseek_v41.infra.cp_batch import CpSplitter, required_local_rows
@@ -22,14 +23,8 @@ from primus_v4.models.deepseek_v41.model import DeepseekV41Model
 from primus_v4.models.deepseek_v41.params import param_counts
 from primus_v4.models.deepseek_v41.release import config_json, export, load
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as names
+from primus_v4.models.deepseek_v41.release.kept_base import keep_release_base
 from primus_v4.models.model_spec import ModelSpec, ReleaseFormat
-
-
-def _refuse(what: str):
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise ConfigError(f"DeepSeek-V4.1: {what} is not available yet")
-
-    return refuse
 
 
 def _config_json(cfg: DeepseekV41Config) -> dict[str, Any]:
@@ -53,8 +48,8 @@ SPEC = ModelSpec(
     cp_min_rows=required_local_rows,
     cp_splitter=CpSplitter,
     step_hooks=v4._step_hooks,
-    add_adapters=_refuse("LoRA"),
-    keep_release=_refuse("keeping the base as released (model.lora.base: release)"),
+    add_adapters=lora.add_adapters,
+    keep_release=keep_release_base,
     release=ReleaseFormat(
         read_config=load.read_config,
         config_json=_config_json,
@@ -66,7 +61,8 @@ SPEC = ModelSpec(
         save=export.save_pretrained,
         write_state=export.write_state,
         names=names,
-        release_weights=lambda model: [],
+        release_weights=lambda model: list(release_weights(model)),
+        peft=peft,
     ),
     place_tables=place_for_run,
 )

@@ -19,10 +19,9 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from primus_v4.durable import write_durable
 from primus_v4.errors import CheckpointError
@@ -43,14 +42,22 @@ _UNLISTED = {MANIFEST, COMPLETE}
 MODEL_LAYOUT = 2
 
 
+def _group() -> Any:
+    """torch.distributed while a process group is up, else None. Looked up, not imported: no
+    group exists before torch.distributed is loaded, and `train --dry-run` lists checkpoint
+    directories without loading torch."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_initialized() else None
+
+
 def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
+    if (dist := _group()) is not None:
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def _all_gather(obj: Any) -> list[Any]:
-    if not dist.is_initialized():
+    if (dist := _group()) is None:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -58,7 +65,7 @@ def _all_gather(obj: Any) -> list[Any]:
 
 
 def _broadcast(obj: Any) -> Any:
-    if not dist.is_initialized():
+    if (dist := _group()) is None:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)

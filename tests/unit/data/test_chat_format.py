@@ -84,6 +84,12 @@ def test_auto_follows_the_release_and_the_tokenizer(
 
     assert chat_format_of(load_config(overrides=[])) == "v4"  # the tiny preset's family
     assert chat_format_of(load_config(overrides=["data.chat_format=v4.1"])) == "v4.1"
+    # V4.1's preset: v4.1 with V4.1's tokenizer, v4 on the bundled V4 one (it lacks the tokens)
+    v41 = ["model.preset=tiny_v41"]
+    assert (
+        chat_format_of(load_config(overrides=[*v41, f"data.tokenizer={V41_TOKENIZER}"])) == "v4.1"
+    )
+    assert chat_format_of(load_config(overrides=v41)) == "v4"
     (release / "config.json").write_text(json.dumps(config))
     pretrained = load_config(overrides=["model.preset=null", f"model.pretrained={release}"])
     assert chat_format_of(pretrained) == "v4-0731"

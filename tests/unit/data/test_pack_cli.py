@@ -159,3 +159,41 @@ def test_inspect_cache_verify_exits_1_on_a_corrupt_entry(
     assert main(["inspect", "cache", str(copy.parent), "--verify"]) == 1
     assert "CORRUPT" in capsys.readouterr().out
     assert main(["inspect", "cache", str(copy.parent), "--verify", "--json"]) == 1
+
+
+def test_inspect_cache_marks_the_entry_a_config_reads(
+    tmp_path: Path, alpaca_demo: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setenv("PRIMUS_PACK_LOCK_DIR", str(tmp_path / "locks"))
+    cache_dir = tmp_path / "packs"
+    config = ["--config", "tiny_cpu_thd", "--set", f"data.path={alpaca_demo}",
+              "--set", f"data.cache_dir={cache_dir}"]  # fmt: skip
+    assert main(["inspect", "cache", *config]) == 0
+    assert "data.path: key" in capsys.readouterr().out.splitlines()[-1]
+    assert main(["pack", "--data", str(alpaca_demo), "--seq-length", "4096",
+                 "--cache-dir", str(cache_dir), "--no-progress"]) == 0  # fmt: skip
+    key = next(line.split("key=")[1] for line in capsys.readouterr().out.splitlines()
+               if "key=" in line)  # fmt: skip
+    assert main(["inspect", "cache", *config]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[0] == key and lines[1].endswith("<- data.path")
+    assert lines[-1] == (f"config tiny_cpu_thd, data.path: key {key} in {cache_dir}: hit: the run "
+                         "loads it")  # fmt: skip
+
+
+def test_bars_count_rows_and_stay_out_of_a_log_file(
+    tmp_path: Path, alpaca_demo: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from primus_v4.data.pipeline import PackSpec, build_or_load
+
+    rows = len(json.loads(alpaca_demo.read_text()))
+    spec = PackSpec(data=str(alpaca_demo), seq_length=4096, cache_dir=tmp_path / "a",
+                    lock_dir=tmp_path / "locks")  # fmt: skip
+    build_or_load(spec, progress=True)
+    bars = capsys.readouterr().err
+    assert "tokenize: 100%" in bars and f"{rows}/{rows}" in bars and " rows/s" in bars
+    # stderr a pipe (a log file): the default shows no bar
+    args = ["--data", str(alpaca_demo), "--seq-length", "4096", "--cache-dir", str(tmp_path / "b")]
+    cold = _pack_cli(*args, tmp_path=tmp_path)
+    assert cold.returncode == 0 and "%|" not in cold.stderr, cold.stderr

@@ -161,8 +161,9 @@ BAD = {
     "unknown_key": _msg(USER, {**ANSWER, "thinking": "hidden reasoning"}),
     "misplaced_field": _msg({**USER, "reasoning_content": "r"}, ANSWER),
     "unsupported_content": _msg(
-        {"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}, ANSWER
+        {"role": "user", "content": [{"type": "input_audio", "input_audio": "x"}]}, ANSWER
     ),
+    "image": _msg({"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}, ANSWER),
     "bad_role": _msg({"role": "bot", "content": "q"}, ANSWER),
     "unread_field": _msg(USER, ANSWER, chosen="a better answer"),
     "bad_tool_call": _msg(

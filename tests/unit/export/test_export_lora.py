@@ -25,7 +25,12 @@ from primus_v4.models.deepseek_v4.lora import LoraSpec, apply_lora, merged_weigh
 from primus_v4.models.deepseek_v4.release.load import load_pretrained
 from primus_v4.training.checkpoint.store import step_dir
 
-LORA = ["model.lora.rank=8", "model.lora.alpha=16", "train.lr=0.05"]
+LORA = [
+    "model.lora.rank=8",
+    "model.lora.allow_random_base=true",
+    "model.lora.alpha=16",
+    "train.lr=0.05",
+]
 REL = 1e-5  # float32 logits of the same bf16 weights: summation order only (ours vs HF)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -35,7 +36,12 @@ from primus_v4.models.deepseek_v4.lora import LoraSpec, apply_lora, merged_weigh
 from primus_v4.models.deepseek_v4.release.load import load_pretrained
 from primus_v4.training.checkpoint.store import step_dir
 
-LORA = ["model.lora.rank=4", "model.lora.alpha=8", "train.lr=0.05"]
+LORA = [
+    "model.lora.rank=4",
+    "model.lora.allow_random_base=true",
+    "model.lora.alpha=8",
+    "train.lr=0.05",
+]
 SHARED = ["wkv", "wo_a", "shared_experts.w3", "experts.w3"]
 RUNS = {
     "per_expert": [f"model.lora.targets=[{', '.join(LORA_TARGETS)}]"],
@@ -92,12 +98,20 @@ def _hf(release: Path) -> transformers.PreTrainedModel:
     ).eval()
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _with_adapters(release: Path, out: Path) -> peft.PeftModel:
-    with warnings.catch_warnings():
-        # PEFT 0.21 checks rank_pattern / alpha_pattern against target_modules only, so it warns
-        # that the target_parameters patterns matched nothing; they apply (shapes would not load)
-        warnings.filterwarnings("ignore", message=".*_pattern keys did not match")
-        return peft.PeftModel.from_pretrained(_hf(release), out).eval()
+    base = _hf(release)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.PeftModel.from_pretrained(base, out).eval()
+    # the export's rank patterns name a targeted module too: PEFT has nothing to warn about
+    assert not [str(w.message) for w in caught if "_pattern" in str(w.message)]
+    return model
 
 
 def test_config_names_the_targets_and_the_summary_counts(exported, release: Path) -> None:
@@ -114,13 +128,23 @@ def test_config_names_the_targets_and_the_summary_counts(exported, release: Path
         ]  # fmt: skip
         params = ["self_attn.o_a_proj.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         assert config["target_parameters"] == params
-        assert config["rank_pattern"] == {params[0]: 8, params[1]: 8}
-        assert config["alpha_pattern"] == {params[0]: 16.0, params[1]: 16.0}
+        anchor = "mlp.shared_experts.down_proj"  # a targeted module: rank r, then the wider
+        assert config["rank_pattern"] == {
+            anchor: 4,
+            f"{params[0]}|{anchor}": 8,
+            f"{params[1]}|{anchor}": 8,
+        }
+        assert config["alpha_pattern"] == {
+            anchor: 8.0,
+            f"{params[0]}|{anchor}": 16.0,
+            f"{params[1]}|{anchor}": 16.0,
+        }
     else:
         assert config["target_modules"] == ["mlp.shared_experts.up_proj", "self_attn.kv_proj"]
         params = ["self_attn.o_a_proj.weight", "mlp.experts.gate_up_proj"]
         assert config["target_parameters"] == params
-        assert config["rank_pattern"] == {params[0]: 8}  # up alone: rank r on gate_up
+        anchor = "mlp.shared_experts.up_proj"  # up alone: rank r on gate_up
+        assert config["rank_pattern"] == {anchor: 4, f"{params[0]}|{anchor}": 8}
     routers = ["mlp.gate"] if exported["kind"] == "shared" else None
     assert config["modules_to_save"] == routers
     assert (out / "tokenizer.json").is_file()
@@ -128,6 +152,9 @@ def test_config_names_the_targets_and_the_summary_counts(exported, release: Path
     mtp = [k for k in meta if k.startswith("model.mtp.") and is_adapter(k)]
     written = load_file(out / "adapter_model.safetensors")
     summary = exported["summary"]
+    # every file of the export gets a new file's mode (safetensors' own is a private temp's)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert set(modes.values()) == {0o666 & ~_umask()}, modes
     assert mtp and summary["mtp_adapter_tensors_left_out"] == len(mtp)
     assert summary["tensors"] == len(written) and summary["format"] == "peft"
 
@@ -138,9 +165,7 @@ def test_keys_and_shapes_are_the_ones_peft_makes(exported, release: Path) -> Non
     out = exported["out"]
     written = load_file(out / "adapter_model.safetensors")
     config = peft.LoraConfig.from_pretrained(out)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*_pattern keys did not match")
-        fresh = peft.get_peft_model(_hf(release), config)
+    fresh = peft.get_peft_model(_hf(release), config)
     made = peft.get_peft_model_state_dict(fresh)
     assert {k: tuple(v.shape) for k, v in made.items()} == {
         k: tuple(v.shape) for k, v in written.items()

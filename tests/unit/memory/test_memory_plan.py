@@ -16,6 +16,8 @@ from primus_v4.models.common.recompute import selected
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
 from primus_v4.training.trainer import build_model
 
+LORA = ("model.lora.rank=8", "model.lora.allow_random_base=true")
+
 
 def _rows(*settings: str, world: int = 1) -> dict[str, tuple[float, float]]:
     run = resolve_run(load_config(overrides=["data.seq_length=1024", *settings]), world=world)
@@ -53,10 +55,10 @@ def test_bf16_gradient_buckets_halve_the_static_term() -> None:
 
 
 def test_a_lora_plan_keeps_the_base_weights_and_drops_its_optimizer_state() -> None:
-    run = resolve_run(load_config(overrides=["model.lora.rank=8"]), world=1)
+    run = resolve_run(load_config(overrides=[*LORA]), world=1)
     model = build_model(run)
     total = sum(p.numel() for p in model.parameters())
-    lora = _rows("model.lora.rank=8")
+    lora = _rows(*LORA)
     full = _rows()
     assert lora["weights"][0] > full["weights"][0] == 4 * total  # base + adapters
     adapters = (lora["weights"][0] - full["weights"][0]) / 4
@@ -127,7 +129,7 @@ def test_a_base_kept_as_released_saves_only_the_experts_input() -> None:
     for rebuilt in (False, True):
         run = resolve_run(load_config(overrides=[f"data.seq_length={seq}", "model.dtype=bfloat16",
                                                  "model.overrides.vocab_size=512",
-                                                 "model.lora.rank=8", "model.lora.base="
+                                                 *LORA, "model.lora.base="
                                                  + ("release" if rebuilt else "bfloat16")]),
                           world=1)  # fmt: skip
         (p,) = plan_memory(run)

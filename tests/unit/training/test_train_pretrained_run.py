@@ -1,7 +1,8 @@
 """`primus-v4 train` with `model.pretrained`, the checks that need no HF oracle: the fp8 export
 of the run reloads, resuming the run's own checkpoint takes precedence over model.pretrained (and
-reads none of its weights), model.pretrained conflicts with a preset, and where the tokenizer
-comes from. The comparisons with HF transformers: test_train_pretrained.py.
+reads none of its weights), a preset beside model.pretrained is ignored (refused when of
+another family), and where the tokenizer comes from. The comparisons with HF transformers:
+test_train_pretrained.py.
 """
 
 from __future__ import annotations
@@ -47,9 +48,22 @@ def test_resume_takes_precedence_over_pretrained(
     assert [r["step"] for r in rows] == [1, 2]
 
 
-def test_pretrained_and_preset_conflict(checkpoint: Path) -> None:
-    with pytest.raises(ConfigError, match=r"model.preset: 'tiny' conflicts with model.pretrained"):
-        load_config(overrides=[f"model.pretrained={checkpoint}"])
+def test_a_preset_beside_pretrained_is_ignored_unless_of_another_family(
+    checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from primus_v4.config import resolve_run
+
+    release = json.loads((checkpoint / "config.json").read_text())
+    with caplog.at_level(logging.INFO, logger="primus_v4"):
+        run = resolve_run(load_config(overrides=[f"model.pretrained={checkpoint}"]), world=1)
+    assert run.cfg.model.preset == "tiny"  # the shipped default run's
+    assert run.model.num_layers == release["num_hidden_layers"]
+    ignored = [r.message for r in caplog.records if "ignored" in r.message]
+    assert ignored == [f"model.preset 'tiny' ignored: model.pretrained={checkpoint} is the model "
+                       f"({run.model.num_layers} layers, its config.json)"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"model.preset: 'tiny_v41' is a 'deepseek_v41' preset"):
+        resolve_run(load_config(overrides=[f"model.pretrained={checkpoint}",
+                                           "model.preset=tiny_v41"]), world=1)  # fmt: skip
 
 
 def test_tokenizer_comes_from_the_checkpoint_unless_data_tokenizer(

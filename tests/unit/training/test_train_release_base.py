@@ -16,7 +16,13 @@ from primus_v4 import load_pretrained, save_pretrained
 from primus_v4.commands import train
 from primus_v4.errors import CheckpointFormatError
 
-LORA = ["model.lora.rank=8", "model.lora.alpha=16", "train.lr=0.02", "model.dtype=bfloat16"]
+LORA = [
+    "model.lora.rank=8",
+    "model.lora.allow_random_base=true",
+    "model.lora.alpha=16",
+    "train.lr=0.02",
+    "model.dtype=bfloat16",
+]
 
 
 def _losses(run: Path) -> list[float]:

@@ -31,16 +31,9 @@ import torch
 from torch import nn
 
 from primus_v4.checkpoint_formats.fp8_fp4 import quantize_fp4, quantize_fp8
-from primus_v4.models.common.kept_base import ReleaseLinear, ReleaseWeight
+from primus_v4.models.common.kept_base import ReleaseWeight, install
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.release import state_dict_adapter as adapter
-
-EXPERT_TAGS = ("expert_parallel", "expert_group")
-
-
-def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, attr = name.rpartition(".")
-    return (model.get_submodule(path) if path else model), attr
 
 
 @torch.no_grad()
@@ -66,17 +59,8 @@ def keep_release_base(model: nn.Module, cfg: DeepseekV4Config, *, dtype: torch.d
         if entry is None or not {r.kind for r in entry.release} <= {"fp8", "fp4"}:
             continue
         source = ReleaseWeight(entry, shape=tuple(param.shape), dtype=dtype, device=param.device)
-        for tag in EXPERT_TAGS:
-            if hasattr(param, tag):
-                setattr(source, tag, getattr(param, tag))
         if not param.is_meta:
             _quantize_into(source, entry, param)
-        owner, attr = _owner(model, name)
-        if isinstance(owner, nn.Linear) and attr == "weight":
-            parent, child = _owner(model, name.rpartition(".")[0])
-            setattr(parent, child, ReleaseLinear(source))
-        else:  # Attention.wo_a, MoE.w_gate_up / w_down
-            delattr(owner, attr)
-            setattr(owner, f"{attr}_release", source)
+        install(model, name, param, source)
         replaced += 1
     return replaced

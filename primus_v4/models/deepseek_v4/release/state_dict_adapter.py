@@ -36,6 +36,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -456,6 +457,15 @@ def fill_state(
                 view.copy_(part)
         if progress is not None:
             progress(len(names))
+
+
+def read_state(cfg: DeepseekV4Config, reader: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """{our name: float32 tensor} of `names` (whole tensors) read from an open release."""
+    table = name_table(cfg)
+    targets = {n: torch.empty(table[n].shape, dtype=torch.float32) for n in names}
+    with reader.concurrent(1) as read_into:
+        fill_state(cfg, targets, read_into=read_into)
+    return targets
 
 
 def to_release(

@@ -21,6 +21,7 @@ from torch import nn
 from primus_v4.checkpoint_formats.sharded import CheckpointReader
 from primus_v4.errors import CheckpointFormatError
 from primus_v4.log import get_logger
+from primus_v4.models.common.kept_base import release_weights
 from primus_v4.models.deepseek_v4.release.load import _restore_float32
 from primus_v4.models.deepseek_v4.weight_init import init_buffers
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
@@ -28,9 +29,9 @@ from primus_v4.models.deepseek_v41.model import DeepseekV41Model
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as adapter
 from primus_v4.models.deepseek_v41.release import tensors
 from primus_v4.models.deepseek_v41.release.config_json import config_from_release
+from primus_v4.models.deepseek_v41.release.kept_base import KEPT, keep_release_base
 
 log = get_logger(__name__)
-KEEP_RELEASE = "DeepSeek-V4.1 cannot keep its base as released yet (model.lora.base: release)"
 
 
 def read_config(path: str | os.PathLike, **overrides) -> DeepseekV41Config:
@@ -69,9 +70,10 @@ def _expert_range(model: nn.Module, key: str) -> tuple[int, int] | None:
     """The global expert rows [lo, hi) a rank's expert weight `key` holds (None: not experts)."""
     if not key.endswith((".moe.w_gate_up", ".moe.w_down")):
         return None
-    moe = model.get_submodule(key.rsplit(".", 1)[0])
+    moe, attr = model.get_submodule(key.rsplit(".", 1)[0]), key.rsplit(".", 1)[1]
     lo = getattr(moe, "expert_offset", 0)
-    return lo, lo + getattr(moe, key.rsplit(".", 1)[1]).shape[0]
+    held = getattr(moe, f"{attr}_release", None)  # kept as released (release/kept_base.py)
+    return lo, lo + (held if held is not None else getattr(moe, attr)).shape[0]
 
 
 @torch.no_grad()
@@ -104,6 +106,14 @@ def load_rank_weights(
             parts = [reader.read(n, dst.dtype, fmt=tensors.FORMATS.get(entry.kind))
                      for n in entry.release]  # fmt: skip
             dst.copy_(adapter.join(entry, parts))
+        for kept in release_weights(model):  # the stored bytes, undecoded
+            entry = table[kept.ours]
+            experts = _expert_range(model, kept.ours)
+            if experts is not None:
+                entry = adapter.expert_slice(entry, *experts)
+            for name, (codes, scales) in zip(entry.release, kept.stored_parts(), strict=True):
+                tensors.check_stored(reader, name, entry.kind)
+                reader.read_stored_into(name, codes, scales)
         placed = _read_placed_rows(model, reader, table)
     unfilled = sorted(n for n, _ in model.named_parameters() if n not in table and n not in placed)
     if unfilled:
@@ -139,11 +149,14 @@ def rank_loader(directory: str | os.PathLike, *, progress: bool = False):
 
 
 def check(directory: str | os.PathLike, cfg: DeepseekV41Config, *, keep_release: bool = False):
-    """Index, shard headers and names of `directory` against the model config (no tensor read)."""
-    if keep_release:
-        raise CheckpointFormatError(KEEP_RELEASE)
+    """Index, shard headers and names of `directory` against the model config (no tensor read);
+    with `keep_release`, that every weight kept as released is stored FP8 / FP4."""
     with open_release(directory) as reader:
         check_release(reader, cfg)
+        if keep_release:
+            for name, (_, kind) in adapter.release_tensors(cfg).items():
+                if kind in KEPT:
+                    tensors.check_stored(reader, name, kind)
 
 
 @torch.no_grad()
@@ -159,14 +172,15 @@ def load_pretrained(
     """The whole V4.1 text model of a release directory, every parameter decoded into `dtype`.
 
     token_map: the Engram token map ([vocab] int64); default: the one of the release's own
-    tokenizer (`engram_vocab.token_map_of`, checked against the config's compressed size)."""
-    if keep_release:
-        raise CheckpointFormatError(KEEP_RELEASE)
+    tokenizer (`engram_vocab.token_map_of`, checked against the config's compressed size).
+    keep_release: the FP8 / FP4 weights kept as stored, decoded per use (release/kept_base.py)."""
     cfg = read_config(path)
     with torch.device("meta"):
         model = DeepseekV41Model(cfg)
     model.to(dtype)  # still on meta: nothing is allocated twice
     _restore_float32(model)
+    if keep_release:
+        keep_release_base(model, cfg, dtype=dtype)
     model.to_empty(device=device)
     init_buffers(model)
     load_rank_weights(model, path, progress=progress, token_map=token_map)

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
+from primus_v4.models.deepseek_v41.release.tensors import read_decoded
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +40,19 @@ class Entry:
     kind: str
     shapes: tuple[tuple[int, ...], ...]
     ours_shape: tuple[int, ...] | None = None  # when it differs from the release's (wo_a)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Our tensor's shape (the whole model's)."""
+        if self.ours_shape is not None:
+            return self.ours_shape
+        if self.op == "cat0":
+            return (2 * self.shapes[0][0], *self.shapes[0][1:])
+        if self.op == "gate_up":
+            return (len(self.shapes) // 2, 2 * self.shapes[0][0], *self.shapes[0][1:])
+        if self.op == "down":
+            return (len(self.shapes), *self.shapes[0])
+        return self.shapes[0]
 
 
 def _e(ours: str, rel: str, shape: tuple[int, ...], kind: str, op: str = "copy") -> Entry:
@@ -213,6 +228,13 @@ def build_state(
         e = table[ours]
         out[ours] = join(e, [get(rel, e.kind) for rel in e.release])
     return out
+
+
+def read_state(cfg: DeepseekV41Config, reader: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """{our name: float32 tensor} of `names` (whole tensors) read from an open release
+    (a `CheckpointReader`), each release part decoded exactly by its storage kind."""
+    table = name_table(cfg)
+    return {n: join(table[n], [read_decoded(reader, r) for r in table[n].release]) for n in names}
 
 
 def to_release(cfg: DeepseekV41Config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
