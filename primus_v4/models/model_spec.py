@@ -58,6 +58,11 @@ class ReleaseFormat:
     """The PEFT export's module names when they are the family's own (a module with
     `KEY_PREFIX`, `block_tensors`, `router_tensors`, `adapter_config`, as export/peft.py has);
     None: transformers' names (export/peft.py)."""
+    saved_as: Callable[[Any, Any], dict[str, str | None]] | None = None
+    """(model config, the run's `model` section) -> {our name: the name its training
+    checkpoints store it under, or None: kept out, as the release stores it (frozen rows an
+    export carries from the release unchanged)} for tensors a run may place (`place_tables`);
+    None: every tensor is stored under its own name."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -63,6 +63,7 @@ SPEC = ModelSpec(
         names=names,
         release_weights=lambda model: list(release_weights(model)),
         peft=peft,
+        saved_as=names.saved_as,
     ),
     place_tables=place_for_run,
 )
