@@ -350,7 +350,10 @@ def export_adapters(
 
 
 def release_tensor_count(source: ExportSource) -> int:
-    """How many logical release tensors an export of `source` writes (the progress total)."""
-    return len(
-        spec_of(model_config_of(source)).release.names.release_tensors(model_config_of(source))
-    )
+    """How many logical release tensors an export of `source` writes (the progress total; the
+    tensors carried from the release are copied, not counted)."""
+    cfg = model_config_of(source)
+    names = spec_of(cfg).release.names
+    placed = placed_tensors(cfg, source, _stored_model_tensors(source.checkpoint))
+    carried = sum(len(names.name_table(cfg)[n].release) for n in placed.carried)
+    return len(names.release_tensors(cfg)) - carried

@@ -70,7 +70,13 @@ def save_pretrained(
     if src is None:
         raise CheckpointFormatError(NO_SOURCE)
     _check_dtype(dtype)
-    if keep and (own is None or Path(own).resolve() != Path(src).resolve()):
+    if keep and own is None:
+        raise CheckpointFormatError(
+            f"{', '.join(keep)}: placed frozen, the rows of a release this model does not "
+            "record (not read by load_pretrained); export the run's checkpoint "
+            "(`primus-v4 export`), which carries them from the run's model.pretrained"
+        )
+    if keep and Path(own).resolve() != Path(src).resolve():
         raise CheckpointFormatError(
             f"{', '.join(keep)}: placed frozen, so the rows are those of the release the model "
             f"was loaded from ({own}), not of {src}; save with source={own}"
