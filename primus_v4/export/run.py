@@ -197,8 +197,8 @@ def placed_tensors(cfg: Any, source: ExportSource, stored: dict) -> Placed:
             renamed[ours] = key
     if carried and not source.run.model.pretrained:
         raise ExportError(
-            f"{source.checkpoint}: {', '.join(carried)} frozen, kept as the release stores them "
-            "and so in no training checkpoint, and the run has no model.pretrained release to "
+            f"{source.checkpoint}: {', '.join(carried)}: frozen and kept as the release stores "
+            "them, so in no training checkpoint, and the run has no model.pretrained release to "
             "carry them from; nothing was written"
         )
     return Placed(renamed=renamed, carried=carried)
