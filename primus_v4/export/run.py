@@ -9,7 +9,10 @@ layer plus one shard. The checkpoint is verified first, as resume verifies it
 (checkpoint.integrity.problems); its own model_config.json (or, saved without one, its own
 config.yaml) gives the model config; the tokenizer files of the run travel along. A LoRA run's
 adapters are merged into its base (lora.py), or written alone in PEFT's format
-(`export_adapters`, peft.py).
+(`export_adapters`, peft.py). Tensors a run placed (`ModelSpec.place_tables`, DeepSeek-V4.1's
+Engram tables) are read where its checkpoint holds them (a trainable table sharded over ranks:
+as rows of the whole table under its placed name) or, frozen and kept out of the checkpoint,
+carried from the run's release byte for byte (`ReleaseFormat.saved_as`).
 """
 
 from __future__ import annotations
@@ -169,9 +172,43 @@ def _stored_model_tensors(checkpoint: Path) -> dict[str, tuple[torch.Size, torch
     return out
 
 
-def _check_names(cfg: Any, stored: dict, checkpoint: Path) -> None:
+@dataclass(kw_only=True, frozen=True)
+class Placed:
+    """Tensors the run placed (`ModelSpec.place_tables`) that its checkpoint holds elsewhere."""
+
+    renamed: dict[str, str]
+    """our name -> the name the checkpoint stores it under (rows of the whole tensor)"""
+    carried: list[str]
+    """our names the checkpoint keeps out (frozen, as the release stores them): the export
+    carries the release's bytes"""
+
+
+def placed_tensors(cfg: Any, source: ExportSource, stored: dict) -> Placed:
+    """Where the checkpoint holds the tensors its run placed; a frozen one is carried from the
+    run's release, so a run without one is refused naming them (never written without them)."""
+    saved_as = spec_of(cfg).release.saved_as
+    renamed, carried = {}, []
+    for ours, key in (saved_as(cfg, source.run.model) if saved_as else {}).items():
+        if ours in stored:  # left in place: stored as itself
+            continue
+        if key is None:
+            carried.append(ours)
+        elif key in stored:
+            renamed[ours] = key
+    if carried and not source.run.model.pretrained:
+        raise ExportError(
+            f"{source.checkpoint}: {', '.join(carried)}: frozen and kept as the release stores "
+            "them, so in no training checkpoint, and the run has no model.pretrained release to "
+            "carry them from; nothing was written"
+        )
+    return Placed(renamed=renamed, carried=carried)
+
+
+def _check_names(cfg: Any, stored: dict, checkpoint: Path, placed: Placed) -> None:
     table = spec_of(cfg).release.names.name_table(cfg)
-    missing = [n for n in table if n not in stored]
+    back = {key: ours for ours, key in placed.renamed.items()}
+    stored = {back.get(n, n): v for n, v in stored.items()}
+    missing = [n for n in table if n not in stored and n not in placed.carried]
     unknown = [n for n in stored if n not in table]
     wrong = [
         f"{n} {list(stored[n][0])} (config: {list(table[n].shape)})"
@@ -208,9 +245,12 @@ def _groups(names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def _stored_state(checkpoint: Path, groups: list[list[str]], stored: dict) -> Iterator[dict]:
+def _stored_state(
+    checkpoint: Path, groups: list[list[str]], stored: dict, renamed: dict[str, str]
+) -> Iterator[dict]:
     for group in groups:
-        yield load_group(checkpoint, group, stored)
+        keys = {renamed.get(n, n): n for n in group}
+        yield {keys[k]: t for k, t in load_group(checkpoint, list(keys), stored).items()}
 
 
 def export_checkpoint(
@@ -224,13 +264,17 @@ def export_checkpoint(
     """Write `source` as a release directory at `out` (atomic; see the module docstring)."""
     cfg = model_config_of(source)
     stored = _stored_model_tensors(source.checkpoint)
-    groups = _groups(list(spec_of(cfg).release.names.name_table(cfg)))
+    placed = placed_tensors(cfg, source, stored)
+    names = [n for n in spec_of(cfg).release.names.name_table(cfg) if n not in placed.carried]
+    groups = _groups(names)
     if source.run.model.lora.rank:  # adapters + buffers: merged into the base as they stream
         _check_adapters(cfg, stored, source.checkpoint)
         pieces = merged_state(cfg, source.run, source.checkpoint, stored, groups)
     else:
-        _check_names(cfg, stored, source.checkpoint)
-        pieces = _stored_state(source.checkpoint, groups, stored)
+        _check_names(cfg, stored, source.checkpoint, placed)
+        pieces = _stored_state(source.checkpoint, groups, stored, placed.renamed)
+    # the frozen tables' stored bytes, copied from the release (only families that place any)
+    carried = {"carried": placed.carried} if placed.carried else {}
     tokenizer_dir = resolve_tokenizer_dir(tokenizer_of(source.run))
     try:  # the writer removes its temp dir on any failure: nothing partial is left
         summary = spec_of(cfg).release.write_state(
@@ -242,6 +286,7 @@ def export_checkpoint(
             extra_files=tokenizer_files(tokenizer_dir),
             progress=progress,
             carry_from=source.run.model.pretrained,  # parts of the release not trained
+            **carried,
         )
     except OSError as exc:
         error = describe_os_error(exc, "cannot write")
@@ -305,7 +350,10 @@ def export_adapters(
 
 
 def release_tensor_count(source: ExportSource) -> int:
-    """How many logical release tensors an export of `source` writes (the progress total)."""
-    return len(
-        spec_of(model_config_of(source)).release.names.release_tensors(model_config_of(source))
-    )
+    """How many logical release tensors an export of `source` writes (the progress total; the
+    tensors carried from the release are copied, not counted)."""
+    cfg = model_config_of(source)
+    names = spec_of(cfg).release.names
+    placed = placed_tensors(cfg, source, _stored_model_tensors(source.checkpoint))
+    carried = sum(len(names.name_table(cfg)[n].release) for n in placed.carried)
+    return len(names.release_tensors(cfg)) - carried

@@ -58,6 +58,11 @@ class ReleaseFormat:
     """The PEFT export's module names when they are the family's own (a module with
     `KEY_PREFIX`, `block_tensors`, `router_tensors`, `adapter_config`, as export/peft.py has);
     None: transformers' names (export/peft.py)."""
+    saved_as: Callable[[Any, Any], dict[str, str | None]] | None = None
+    """(model config, the run's `model` section) -> {our name: the name its training
+    checkpoints store it under, or None: kept out, as the release stores it (frozen rows an
+    export carries from the release unchanged)} for tensors a run may place (`place_tables`);
+    None: every tensor is stored under its own name."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -108,3 +113,7 @@ class ModelSpec:
     """(rank module, config, *, dtype) -> weights kept as the release stores them (meta: to be
     read by the loader; materialized: quantized), decoded per use (`model.lora.base: release`)."""
     release: ReleaseFormat
+    place_tables: Callable[..., Any] | None = None
+    """(rank module, the run's `model` section, *, ctx) after the cut and fill: where the
+    family's lookup tables live (DeepSeek-V4.1's Engram, `model.engram`); None: nothing to
+    place."""

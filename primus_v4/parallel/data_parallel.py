@@ -9,6 +9,8 @@ gradient: replicas must SUM, never average (DDP's default average would divide b
   * expert-parallel shards (tagged `expert_parallel = True` by expert_parallel.shard_moe): the
     all-to-all backward already brought every EP peer's tokens to the owner, so only the
     expert-data-parallel replicas of the same shard remain (`ctx.expert_dp`).
+  * rows sharded over DP x CP whose owner already summed every rank's gradient (tagged
+    `owner_reduced = True`, e.g. a trainable sharded Engram table): no replicas at all.
 The sum itself is the sharded optimizer's bucketed reduce-scatter (training.optim.zero).
 """
 
@@ -27,4 +29,6 @@ def is_expert_param(p: nn.Parameter) -> bool:
 
 def replica_axis(p: nn.Parameter, ctx: ParallelContext) -> Axis:
     """The axis whose ranks hold replicas of `p` (see the module docstring)."""
+    if getattr(p, "owner_reduced", False):
+        return Axis.alone(ctx.rank)
     return ctx.expert_dp if is_expert_param(p) else ctx.dp_cp

@@ -75,16 +75,24 @@ def assemble(
         out.kept = spec.keep_release(rank_model, model_cfg, dtype=dtype)
         log.info("model.lora.base=release: %d base weights kept as FP8 / FP4 bytes", out.kept)
 
+    def prepare(rank_model: nn.Module) -> None:
+        if keep:
+            keep_release(rank_model)
+        if spec.place_tables is not None:  # before the fill: the loader reads the rank's rows
+            spec.place_tables(rank_model, section, ctx=parallel["ctx"])
+
     if parallel is not None:
         out.drawn = weights is None and spec.is_meta(model)
         done = spec.parallelize(
             model,
             seed=seed,
             weights=weights,
-            prepare=keep_release if keep and weights is not None else None,
+            prepare=prepare if weights is not None else None,
             **parallel,
         )
         out.model, out.pipeline = done.model, done.pipeline
+        if weights is None and spec.place_tables is not None:  # from the drawn tables
+            spec.place_tables(out.model, section, ctx=parallel["ctx"])
         if keep and weights is None:  # a drawn base: quantized as a release would store it
             keep_release(out.model)
     elif draw_on is not None:

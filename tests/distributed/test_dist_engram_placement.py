@@ -1,7 +1,8 @@
 """Engram tables sharded by rows over 2 gloo ranks equal the replicated model: frozen FP8 rows
 loaded from the release (each rank reads only its rows) and a trainable sharded table, whose
-rows' gradients are the replicated table's gradient summed over the ranks. One launch checks
-both, each rank on its own pack."""
+rows' gradients are the replicated table's gradient summed over the ranks; the run's placement
+on a meta model filled by the release loader, which reads only each rank's rows. One launch
+checks all, each rank on its own pack."""
 
 from __future__ import annotations
 
@@ -76,6 +77,60 @@ def _differences(rank: int, world: int) -> dict[str, float]:
     out["trainable_other_grads"] = other_diff
     out["trainable_tables_compared"] = compared
     out["trainable_params"] = float(sum(s.weight.numel() for s in placed.values()))
+    out.update(_placed_before_load(trained, frozen))
+    return out
+
+
+def _placed_before_load(trained, frozen) -> dict[str, float]:
+    """A run's placement (`place_for_run`, over DP x CP = the 2 ranks) on a meta model, then
+    the release loader: each rank's rows come straight from the release (no whole table is
+    ever allocated), equal to the rows placed from the loaded model."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from dsv41_model import CHECKPOINT, golden
+
+    from primus_v4.config.schema import EngramConfig
+    from primus_v4.models.deepseek_v4.weight_init import init_buffers
+    from primus_v4.models.deepseek_v41.engram_placement import engram_modules, place_for_run
+    from primus_v4.models.deepseek_v41.model import DeepseekV41Model
+    from primus_v4.models.deepseek_v41.release.load import load_rank_weights
+
+    ctx = SimpleNamespace(dp_cp=SimpleNamespace(size=dist.get_world_size(), group=None))
+    out = {}
+    for trainable, want in ((True, trained), (False, frozen)):
+        with torch.device("meta"):
+            model = DeepseekV41Model(trained.cfg)
+        section = SimpleNamespace(engram=EngramConfig(placement="sharded", trainable=trainable))
+        placed = place_for_run(model, section, ctx=ctx)
+        model.to_empty(device="cpu")
+        load_rank_weights(model, CHECKPOINT, token_map=golden()["token_map"])
+        init_buffers(model)
+        kind = "trainable" if trainable else "frozen"
+        tables = [getattr(m, "table", None) for _, m in engram_modules(model)]
+        out[f"{kind}_whole_tables"] = float(sum(t is not None for t in tables))
+        got, ref = model.state_dict(keep_vars=True), want.state_dict(keep_vars=True)
+        out[f"{kind}_state_equal"] = float(
+            sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in got)
+        )
+        stores = {n: s for n, s in placed.items()}
+        rows_equal = all(
+            torch.equal(a, b)
+            for n, s in stores.items()
+            for a, b in zip(
+                [s.weight] if trainable else s.stored(),
+                [want.get_submodule(n).placed.weight]
+                if trainable
+                else want.get_submodule(n).placed.stored(),
+                strict=True,
+            )
+        )
+        out[f"{kind}_rows_equal"] = float(rows_equal)
+        out[f"{kind}_owner_reduced"] = float(
+            all(getattr(s.weight, "owner_reduced", False) for s in stores.values())
+            if trainable else not any(p.requires_grad is False for p in model.parameters())
+        )  # fmt: skip
     return out
 
 
@@ -90,3 +145,7 @@ def test_sharded_engram_equals_the_replicated_model():
         assert r["frozen_logits"] == 0.0 and r["frozen_grads"] == 0.0
         assert r["trainable_logits"] == 0.0 and r["trainable_other_grads"] == 0.0
         assert r["trainable_tables_compared"] == 2 and r["trainable_table_grads"] <= 1e-6
+        for kind in ("trainable", "frozen"):  # placed on a meta model, then the loader
+            assert r[f"{kind}_whole_tables"] == 0.0
+            assert r[f"{kind}_state_equal"] == 1.0 and r[f"{kind}_rows_equal"] == 1.0
+            assert r[f"{kind}_owner_reduced"] == 1.0

@@ -9,11 +9,14 @@ Engram's 3-token look-back; pp2 cuts before layer 4, so the second stage receive
 ratio-1 pool, index keys, selection and candidate blocks and holds an Engram layer (4); pp2 x cp2
 cuts before layer 2, so layer 1's ratio-2 pool, gathered over the CP ranks, crosses the stages.
 dp2 steps the sharded optimizer (ZeRO-1, each rank holds about half the state: asserted).
-The 2-rank launch also compares every parameter gradient of one pack at cp2 with one process.
+The 2-rank launch also compares every parameter gradient of one pack at cp2 with one process,
+runs dp2 with the Engram tables sharded over the ranks (frozen, and trainable against a trainable
+one-process reference), and resumes the trainable sharded run from its step-2 checkpoint.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,7 +41,9 @@ PACKS = [[100, 70, 60], [33, 150, 60], [127, 3, 111], [200, 40], [90, 90, 60], [
 # (training/optim/zero.py); at 5e-3 cp2's step-3 grad norm drifted by 1e-5 (measured), at 1e-3 by
 # 1e-6. float64 replica sums make dp2 step the gradients of one process bit for bit.
 SETTINGS = ("model.preset=tiny_v41", "train.steps=3", "train.global_batch_size=2",
-            "train.warmup_steps=1", "train.lr=1e-3", "optim.grad_reduce_dtype=float64")  # fmt: skip
+            "train.warmup_steps=1", "train.lr=1e-3", "optim.grad_reduce_dtype=float64",
+            # Engram rows 32 wide: a frozen table is held in its FP8 encoding (1 x 32 blocks)
+            "model.overrides.engram_head_dim=32")  # fmt: skip
 KEYS = ("loss", "aux_loss", "grad_norm")
 LAYOUTS = {
     2: {
@@ -46,12 +51,21 @@ LAYOUTS = {
         "cp2": ("parallel.cp=2",),
         "ep2": ("parallel.ep=2",),
         "dp2": (),
+        # Engram tables sharded by rows over DP (each rank holds half), frozen and trainable
+        "dp2 engram sharded": ("model.engram.placement=sharded",),
+        "dp2 engram sharded trainable": (
+            "model.engram.placement=sharded",
+            "model.engram.trainable=true",
+        ),
     },
     4: {
         "pp2xcp2": ("parallel.pp=2", "parallel.pp_layout=Et*2|t*4L", "parallel.cp=2"),
         "cp2xep2": ("parallel.cp=2", "parallel.ep=2"),
     },
 }
+# The reference of each layout: one process with the same `model.engram` (frozen replicated by
+# default; the trainable layouts against trainable replicated).
+REFERENCE = {"dp2 engram sharded trainable": "one trainable"}
 # float32 model: only summation order (CP/DP gradient sums, all-to-all regrouping) differs.
 TOLERANCE = 1e-5
 
@@ -68,6 +82,8 @@ def _train(world: int, out: Path, parallel: tuple[str, ...]) -> dict:
             "optimizer_bytes": sum(b[k] for k in ("master_device", "master_host",
                                                   "moments_device", "moments_host")),
             "local_experts": moe.w_gate_up.shape[0],
+            "engram_rows": sum(p.hi - p.lo for n, p in trainer.model.named_modules()
+                               if n.endswith("engram.placed")),
             "layers": sorted(int(n.split(".")[1]) for n, _ in trainer.model.named_parameters()
                              if n.startswith("layers.") and n.endswith("attn_norm.weight")),
         }  # fmt: skip
@@ -78,14 +94,31 @@ def _train(world: int, out: Path, parallel: tuple[str, ...]) -> dict:
 
 def _rank(rank: int, world: int, out: str) -> dict[str, dict]:
     if world == 1:
-        return {"one": _train(1, Path(out) / "one", ())}
+        trainable = ("model.engram.trainable=true",)
+        return {"one": _train(1, Path(out) / "one", ()),
+                "one trainable": _train(1, Path(out) / "trainable", trainable)}  # fmt: skip
     got = {
         name: _train(world, Path(out) / name / f"rank{rank}", parallel)
         for name, parallel in LAYOUTS[world].items()
     }
     if world == 2:
         got["cp2 gradients"] = _cp_gradients(rank)
+        got["engram resume"] = _resume_trainable_engram(rank, Path(out) / "resume")
     return got
+
+
+def _resume_trainable_engram(rank: int, out: Path) -> dict:
+    """dp2 with a trainable sharded Engram table checkpointed at step 2, resumed from a copy of
+    that checkpoint: the resumed step 3 against the uninterrupted one."""
+    settings = (*LAYOUTS[2]["dp2 engram sharded trainable"], "checkpoint.interval=2")
+    whole = _train(2, out / f"whole{rank}", (*settings, f"checkpoint.dir={out / 'ckpt'}"))
+    if rank == 0:
+        step = "step_00000002"
+        shutil.copytree(out / "ckpt" / step, out / "from2" / step)
+        (out / "from2" / "latest").write_text(step)
+    dist.barrier()
+    resumed = _train(2, out / f"resumed{rank}", (*settings, f"checkpoint.dir={out / 'from2'}"))
+    return {"whole": whole["rows"][-1], "resumed": resumed["rows"][-1]}
 
 
 # CP edge at row 128 inside the sample of rows 33-182: its 2:1 group (127, 128) straddles the
@@ -134,7 +167,7 @@ def _cp_gradients(rank: int) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict:
     # In a worker like the others: one torch thread, so its kernels sum in the workers' order.
-    return run_ranks(_rank, 1, str(tmp_path_factory.mktemp("v41one")), timeout_s=300)[0]["one"]
+    return run_ranks(_rank, 1, str(tmp_path_factory.mktemp("v41one")), timeout_s=300)[0]
 
 
 def _max_diff(one: dict, ranks: list[dict], name: str) -> dict[str, tuple[float, float]]:
@@ -152,9 +185,9 @@ def _max_diff(one: dict, ranks: list[dict], name: str) -> dict[str, tuple[float,
     return worst
 
 
-def _check(one: dict, ranks: list[dict]) -> None:
+def _check(single: dict, ranks: list[dict]) -> None:
     for name in LAYOUTS[len(ranks)]:
-        worst = _max_diff(one, ranks, name)
+        worst = _max_diff(single[REFERENCE.get(name, "one")], ranks, name)
         print(f"\n{name}: max |difference| vs one process (absolute / relative) "
               + ", ".join(f"{k} {a:.2e} / {r:.2e}" for k, (a, r) in worst.items()))  # fmt: skip
         for k, (a, r) in worst.items():
@@ -164,8 +197,10 @@ def _check(one: dict, ranks: list[dict]) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_axis_matches_one_process(single, world: int, tmp_path: Path) -> None:
     ranks = run_ranks(_rank, world, str(tmp_path), timeout_s=600)
-    print("\none process:", [[round(r[k], 6) for k in KEYS] for r in single["rows"]])
+    for name in ("one", "one trainable"):
+        print(f"\n{name} process:", [[round(r[k], 6) for k in KEYS] for r in single[name]["rows"]])
     _check(single, ranks)
+    single = single["one"]
     experts = single["local_experts"]
     for name, parallel in LAYOUTS[world].items():
         ep = 2 if "parallel.ep=2" in parallel else 1
@@ -185,3 +220,12 @@ def test_every_axis_matches_one_process(single, world: int, tmp_path: Path) -> N
         share = [r["dp2"]["optimizer_bytes"] / single["optimizer_bytes"] for r in ranks]
         print(f"dp2 optimizer bytes per rank / one process: {share}")
         assert all(abs(s - 0.5) < 0.01 for s in share)
+        # the tiny preset's Engram tables (4062 + 4152 rows): half on each rank, all on one
+        assert single["engram_rows"] == 4062 + 4152
+        for name in ("dp2 engram sharded", "dp2 engram sharded trainable"):
+            assert [r[name]["engram_rows"] for r in ranks] == [4107, 4107], name
+        # the table's rows and their optimizer state saved as rows of the whole table: exact
+        for r in ranks:
+            print("trainable sharded Engram, step 3 uninterrupted / resumed from step 2:",
+                  r["engram resume"])  # fmt: skip
+            assert r["engram resume"]["resumed"] == r["engram resume"]["whole"]

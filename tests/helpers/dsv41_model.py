@@ -51,6 +51,22 @@ def pack(docs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, PackedSe
     return torch.cat(docs)[None], pos[None], psp
 
 
+def stored_bytes(directory: str | Path, names: list[str]) -> dict[str, tuple[str, torch.Tensor]]:
+    """{stored name: (safetensors dtype, its bytes as uint8)} of tensors of a release
+    directory, read as stored (no decoding)."""
+    from safetensors import safe_open
+
+    from primus_v4.checkpoint_formats.sharded import _weight_map
+
+    where = _weight_map(Path(directory))
+    out = {}
+    for name in names:
+        with safe_open(Path(directory) / where[name], "pt") as f:
+            t = f.get_tensor(name)
+        out[name] = (str(t.dtype), t.contiguous().view(-1).view(torch.uint8))
+    return out
+
+
 def next_token_labels(docs: list[torch.Tensor]) -> torch.Tensor:
     """[1, T]: each document's next token, IGNORE on its last row (never across documents)."""
     return torch.cat([torch.cat([d[1:], torch.tensor([IGNORE])]) for d in docs])[None]

@@ -34,6 +34,10 @@ import torch.distributed as dist
 from torch import nn
 
 from primus_v4.checkpoint_formats.fp8_fp4 import FP8_1X32, dequantize, quantize
+from primus_v4.errors import ConfigError
+from primus_v4.log import get_logger
+
+log = get_logger(__name__)
 
 PLACEMENTS = ("replicated", "sharded", "host")
 
@@ -143,10 +147,12 @@ class PlacedTable(nn.Module):
             self.host_codes = torch.empty(held, width, dtype=torch.uint8)
             self.host_scales = torch.empty(held, width // FP8_1X32.block_cols, dtype=torch.uint8)
         else:
-            self.register_buffer("codes", torch.empty(held, width, dtype=torch.uint8))
-            self.register_buffer(
-                "scales", torch.empty(held, width // FP8_1X32.block_cols, dtype=torch.uint8)
-            )
+            # not in the state dict: frozen rows are the release's (or the seed's draw), which
+            # a resumed run reads again; each rank of a sharded table holds other rows
+            codes = torch.empty(held, width, dtype=torch.uint8)
+            scales = torch.empty(held, width // FP8_1X32.block_cols, dtype=torch.uint8)
+            self.register_buffer("codes", codes, persistent=False)
+            self.register_buffer("scales", scales, persistent=False)
 
     def held_bytes(self) -> int:
         """Bytes this rank holds for the table (device, or host for `host`)."""
@@ -249,6 +255,50 @@ def place_engram(
         del engram.table
         engram.placed = store
         placed[name] = store
+    return placed
+
+
+def place_for_run(model: nn.Module, section: Any, *, ctx: Any) -> dict[str, PlacedTable]:
+    """A run's `model.engram` (`section` is its `model` section) applied to this rank's
+        module after the cut and fill.
+
+        The sharded group is DP x CP (`ctx.dp_cp`): the ranks holding the same layers (a pipeline
+        stage's ranks; a stage without Engram layers places nothing), each of which looks up its own
+        pack's rows. Over one rank, `sharded` holds every row, as `replicated` does. A trainable
+        sharded table's gradient is summed over the group by its owner already (the lookup's
+        backward), so it is tagged `owner_reduced`: the optimizer sums it over no replicas; and
+    `expert_group` / `global_shape`: checkpoints store it, and its optimizer state, as rows of the
+    whole table. A frozen table is no state: a resumed run places it again from the release (or
+    the seed's draw)."""
+    engram = section.engram
+    placement = engram.placement
+    modules = engram_modules(model)
+    width = modules[0][1].table.shape[1] if modules else 0
+    if not engram.trainable and width % FP8_1X32.block_cols:
+        if placement != "replicated":
+            raise ConfigError(
+                f"model.engram.placement={placement}: frozen Engram rows are held as FP8 with "
+                f"a scale per {FP8_1X32.block_cols} values, and this model's rows are {width} "
+                "wide; set model.engram.trainable=true or placement replicated"
+            )
+        for _, module in modules:  # frozen in the model dtype: nothing to encode
+            module.table.requires_grad_(False)
+        return {}
+    if placement == "sharded" and ctx.dp_cp.size == 1:
+        placement = "replicated"
+    group = ctx.dp_cp.group if placement == "sharded" else None
+    placed = place_engram(model, placement=placement, trainable=engram.trainable, group=group)
+    for store in placed.values():
+        if store.weight is not None and placement == "sharded":
+            store.weight.owner_reduced = True  # type: ignore[attr-defined]
+            # checkpoints store it as rows of the whole [R, E] table over the group
+            store.weight.expert_group = group  # type: ignore[attr-defined]
+            store.weight.global_shape = (store.rows, store.width)  # type: ignore[attr-defined]
+    if placed:
+        held = sum(s.held_bytes() for s in placed.values())
+        log.info("Engram %s, %s: %d tables, %.1f MiB held on this rank", placement,
+                 "trainable" if engram.trainable else "frozen (FP8 rows)", len(placed),
+                 held / 2**20)  # fmt: skip
     return placed
 
 

@@ -16,6 +16,7 @@ from primus_v4.models.deepseek_v4.config import PRESET_DIR
 from primus_v4.models.deepseek_v4.infra.parallelize import is_meta
 from primus_v4.models.deepseek_v41 import lora, peft
 from primus_v4.models.deepseek_v41.config import LAYER_KINDS, DeepseekV41Config
+from primus_v4.models.deepseek_v41.engram_placement import place_for_run
 from primus_v4.models.deepseek_v41.infra.cp_batch import CpSplitter, required_local_rows
 from primus_v4.models.deepseek_v41.infra.parallelize import parallelize
 from primus_v4.models.deepseek_v41.model import DeepseekV41Model
@@ -62,5 +63,7 @@ SPEC = ModelSpec(
         names=names,
         release_weights=lambda model: list(release_weights(model)),
         peft=peft,
+        saved_as=names.saved_as,
     ),
+    place_tables=place_for_run,
 )

@@ -179,7 +179,8 @@ def _sharded(optimizer: Any) -> ShardedAdamW:
 
 
 def _experts_as_dtensors(model: nn.Module, model_sd: dict[str, Any]) -> None:
-    """Wrap expert-parallel shards as dim-0 DTensor shards."""
+    """Wrap expert-parallel shards (and rows sharded over DP x CP, e.g. a trainable sharded
+    Engram table) as dim-0 DTensor shards."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -192,7 +193,11 @@ def _experts_as_dtensors(model: nn.Module, model_sd: dict[str, Any]) -> None:
             meshes[id(group)] = DeviceMesh.from_group(group, p.device.type)
         mesh = meshes[id(group)]
 
-        model_sd[name] = DTensor.from_local(model_sd[name], mesh, [Shard(0)], run_check=False)
+        # rows of an uneven split (torch.chunk's: ceil(R / n) per rank) name their global shape
+        shape = getattr(p, "global_shape", None)
+        extra = {} if shape is None else {"shape": shape, "stride": (shape[1], 1)}
+        model_sd[name] = DTensor.from_local(model_sd[name], mesh, [Shard(0)], run_check=False,
+                                            **extra)  # fmt: skip
 
 
 def _local_tensors(tree: Any) -> Any:

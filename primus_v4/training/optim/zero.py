@@ -177,16 +177,17 @@ class ShardedAdamW(Optimizer):
     def _layout(self, bucket_bytes: int, deferred: Callable[[nn.Parameter], bool]) -> list[Bucket]:
         """Buckets in reverse model order (the order backward produces gradients)."""
         buckets: list[Bucket] = []
-        current: dict[bool, Bucket] = {}
+        current: dict[tuple[bool, tuple[int, ...]], Bucket] = {}
         for slot in reversed(self.slots):
             axis = replica_axis(slot.param, self.ctx)
-            b = current.get(slot.expert)
+            key = (slot.expert, axis.ranks)  # a bucket is reduced over one axis
+            b = current.get(key)
             n = axis.size
             slot.chunk = -(-slot.numel // n)
             alone = deferred(slot.param)  # in a bucket of its own, exposed as `main_grad`
             full = b is not None and b.segment * n * b.itemsize(self) >= bucket_bytes
             if alone or b is None or b.deferred or full:
-                b = current[slot.expert] = Bucket(axis=axis, deferred=alone, index=len(buckets))
+                b = current[key] = Bucket(axis=axis, deferred=alone, index=len(buckets))
                 buckets.append(b)
             slot.bucket, slot.offset = b.index, b.segment
             b.segment += slot.chunk

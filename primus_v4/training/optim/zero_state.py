@@ -9,6 +9,10 @@ Expert shards are [E / ep, ...] slices of a global [E, ...] tensor; their flat c
 `(Shard(0), Shard(0))` over the 2-D mesh (EP, expert-DP): the global flat [E x ...] split into
 ep blocks (one EP rank's experts), each split into expert-DP chunks.
 
+Rows owned over DP x CP (parameters tagged `global_shape`, e.g. a trainable sharded Engram
+table: each rank holds rows [r ceil(R / n), ...) whole, no replicas) are dim-0 shards of their
+[R, E] tensor over the DP x CP mesh.
+
 Keys (flat, like the model's): `state.<param>.exp_avg`, `.exp_avg_sq`, `.step`, and `.master`
 for parameters that are not float32 (a float32 parameter is its own master); `param_groups`.
 """
@@ -71,6 +75,11 @@ class _Wrapper:
         from torch.distributed.tensor import DTensor, Shard
 
         ctx = self.opt.ctx
+        shape = getattr(slot.param, "global_shape", None)
+        if shape is not None and not slot.expert:  # rows of [R, E] owned over DP x CP
+            return DTensor.from_local(local.view(-1, shape[1]), self._mesh("replicated"),
+                                      [Shard(0)], run_check=False, shape=shape,
+                                      stride=(shape[1], 1))  # fmt: skip
         if slot.expert:
             parts = (ctx.ep.size > 1) + (ctx.expert_dp.size > 1)
             numel = slot.numel * ctx.ep.size
@@ -120,9 +129,9 @@ def load_optimizer_state(opt: ShardedAdamW, loaded: dict[str, Any]) -> None:
         state = opt.state[s.master]
         # DCP loads into the tensors `optimizer_state` handed out, often these very ones.
         for key in MOMENTS:
-            state[key].copy_(local(loaded[f"state.{s.name}.{key}"]))
+            state[key].copy_(local(loaded[f"state.{s.name}.{key}"]).view(-1))  # rows: [r, E]
         if _saves_master(s):
-            s.master.copy_(local(loaded[f"state.{s.name}.master"]))
+            s.master.copy_(local(loaded[f"state.{s.name}.master"]).view(-1))
         elif not s.aliased:
             s.master.copy_(s.param.detach().view(-1)[s.lo : s.hi])  # a host copy of fp32
         state["step"].copy_(local(loaded[f"state.{s.name}.step"]))

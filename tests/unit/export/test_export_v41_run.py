@@ -1,7 +1,8 @@
 """`primus-v4 export` of a DeepSeek-V4.1 LoRA training run (the golden tiny release as its base,
 the base kept as released): the run trains its adapters; `--format peft` writes the adapters on the
 release's module names and, read back by `peft.to_ours`, they are the run's; `--format release`
-writes the merged V4.1 release, every adapted weight the bf16 rounding of W + (alpha / r) B A."""
+writes the merged V4.1 release, every adapted weight the bf16 rounding of W + (alpha / r) B A, the
+frozen Engram tables (placed, so in no checkpoint) the release's bytes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from dsv41_model import CHECKPOINT
+from dsv41_model import CHECKPOINT, stored_bytes
 from lora_runs import lora_trainer
 from safetensors.torch import load_file
 
@@ -64,3 +65,9 @@ def test_a_v41_lora_run_trains_and_exports(tmp_path: Path) -> None:
     merged = load_pretrained(tmp_path / "merged", progress=False).state_dict()
     for name, want in merged_weights(model).items():
         assert torch.equal(merged[name], want.bfloat16().float()), name
+    # the Engram tables, frozen and placed (in no checkpoint): the release's bytes, carried
+    tables = [f"layers.{n}.engram.embed.{p}" for n in (1, 4) for p in ("weight", "scale")]
+    release, out = stored_bytes(CHECKPOINT, tables), stored_bytes(tmp_path / "merged", tables)
+    for name in tables:
+        assert out[name][0] == release[name][0], name
+        assert torch.equal(out[name][1], release[name][1]), name

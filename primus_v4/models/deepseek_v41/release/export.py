@@ -27,8 +27,30 @@ NO_SOURCE = (
 
 def release_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """{release name: tensor} of every text-backbone weight of a whole model (logical,
-    unquantized: [out, in], routed experts one tensor per expert and projection)."""
+    unquantized: [out, in], routed experts one tensor per expert and projection), the Engram
+    tables placed frozen left out (`placed_frozen`)."""
     return adapter.to_release(model.cfg, model.state_dict())
+
+
+def placed_frozen(model: nn.Module) -> list[str]:
+    """The release names of the Engram tables `model` holds placed and frozen (their rows are
+    the release's: an export carries them); a trainable table sharded over ranks is refused
+    naming it (this process holds only its rows)."""
+    from primus_v4.models.deepseek_v41.engram_placement import engram_modules, release_name
+
+    out = []
+    for name, engram in engram_modules(model):
+        store = getattr(engram, "placed", None)
+        if store is None:
+            continue
+        if store.weight is not None:  # trainable and placed: sharded
+            raise CheckpointFormatError(
+                f"{name}: this process holds the trained Engram table's rows [{store.lo}, "
+                f"{store.hi}) of {store.rows} (model.engram.placement {store.placement}); "
+                "export the run's checkpoint (`primus-v4 export`), which holds the whole table"
+            )
+        out.append(release_name(name))
+    return out
 
 
 def save_pretrained(
@@ -41,15 +63,29 @@ def save_pretrained(
 ) -> Any:
     """Write a whole model as a release directory at `out` (`dtype` "bfloat16" or "fp8": as
     released); `source` (default: the release the model was loaded from) gives the layout and
-    the tensors carried over."""
-    src = source or getattr(model, "release_source", None)
+    the tensors carried over (the Engram tables placed frozen: the model's own release)."""
+    keep = placed_frozen(model)
+    own = getattr(model, "release_source", None)
+    src = source or own
     if src is None:
         raise CheckpointFormatError(NO_SOURCE)
     _check_dtype(dtype)
+    if keep and own is None:
+        raise CheckpointFormatError(
+            f"{', '.join(keep)}: placed frozen, the rows of a release this model does not "
+            "record (not read by load_pretrained); export the run's checkpoint "
+            "(`primus-v4 export`), which carries them from the run's model.pretrained"
+        )
+    if keep and Path(own).resolve() != Path(src).resolve():
+        raise CheckpointFormatError(
+            f"{', '.join(keep)}: placed frozen, so the rows are those of the release the model "
+            f"was loaded from ({own}), not of {src}; save with source={own}"
+        )
     from primus_v4.models.deepseek_v41.release.save import save_release
 
     options.pop("progress", None)  # the release writer reports per tensor through a callback
-    return save_release(release_state(model), Path(src), out, dtype=dtype, **options)
+    state = release_state(model)
+    return save_release(state, Path(src), out, dtype=dtype, keep=keep, **options)
 
 
 def _check_dtype(dtype: str) -> None:
@@ -67,11 +103,13 @@ def write_state(
     dtype: str = "bfloat16",
     source: str | os.PathLike | None = None,
     carry_from: str | os.PathLike | None = None,
+    carried: Iterable[str] = (),
     **options: Any,
 ) -> WriteSummary:
     """Write state-dict pieces (our names; together the whole model) as a release at `out`
     beside `source` (a training run's export passes the release it started from as
-    `carry_from`)."""
+    `carry_from`); `carried`: our tensors not given, written as `source` stores them (the
+    frozen Engram tables a run placed, which its checkpoint does not hold)."""
     source = source or carry_from
     if source is None:
         raise CheckpointFormatError(NO_SOURCE)
@@ -80,4 +118,6 @@ def write_state(
 
     options.pop("extra_files", None)  # the writer copies the source's tokenizer files
     pieces = (adapter.to_release(cfg, piece) for piece in state)
-    return save_release(pieces, Path(source), out, dtype=dtype, **options).summary
+    table = adapter.name_table(cfg)
+    keep = [rel for name in carried for rel in table[name].release]
+    return save_release(pieces, Path(source), out, dtype=dtype, keep=keep, **options).summary

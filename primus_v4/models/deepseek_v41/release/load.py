@@ -114,11 +114,29 @@ def load_rank_weights(
             for name, (codes, scales) in zip(entry.release, kept.stored_parts(), strict=True):
                 tensors.check_stored(reader, name, entry.kind)
                 reader.read_stored_into(name, codes, scales)
-    unfilled = sorted(n for n, _ in model.named_parameters() if n not in table)
+        placed = _read_placed_rows(model, reader, table)
+    unfilled = sorted(n for n, _ in model.named_parameters() if n not in table and n not in placed)
     if unfilled:
         raise CheckpointFormatError(f"{path}: parameters without a release tensor: {unfilled}")
     if cfg.engram_layer_ids:
         model.set_token_map(release_token_map(path, cfg) if token_map is None else token_map)
+
+
+def _read_placed_rows(model: nn.Module, reader: CheckpointReader, table: dict) -> set[str]:
+    """Engram tables placed already (engram_placement): only the rows this rank holds are read,
+    in their FP8 encoding (decoded into a trainable shard, kept as codes when frozen). Returns
+    the parameter names filled."""
+    from primus_v4.models.deepseek_v41.engram_placement import engram_modules
+
+    filled = set()
+    for name, module in engram_modules(model):
+        store = getattr(module, "placed", None)
+        if store is None:
+            continue
+        (release,) = table[f"{name}.table"].release
+        store.fill_encoded(*reader.read_stored_rows(release, store.lo, store.hi))
+        filled.update(f"{name}.placed.{n}" for n, _ in store.named_parameters())
+    return filled
 
 
 def rank_loader(directory: str | os.PathLike, *, progress: bool = False):

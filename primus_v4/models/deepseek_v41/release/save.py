@@ -11,9 +11,10 @@ them) as a release directory at `out`, atomically (a temp directory renamed into
 Each tensor must be one the source stores, of the source's shape; every text tensor of the
 source must be given. The source's tensors that are not the text model (`tensors.not_text`:
 vision tower, `aligner.*`, `image_*`, DSpark `mtp.*`, `bias_vl`) and were not given are copied
-byte for byte (carried.py) and named in one log line; any other source tensor left out is an
-error. config.json is the source's (without `quantization_config` for bf16); the tokenizer
-files are copied.
+byte for byte (carried.py) and named in one log line, as are the text tensors named in `keep`
+(the frozen Engram tables of a run that placed them: the release's FP8 rows and scales, in a
+bf16 export too); any other source tensor left out is an error. config.json is the source's
+(without `quantization_config` for bf16); the tokenizer files are copied.
 """
 
 from __future__ import annotations
@@ -114,17 +115,19 @@ def _check_complete(reader: CheckpointReader, given: set[str]) -> list[str]:
 
 
 def _carry(
-    reader: CheckpointReader, given: set[str], carried: list[str]
+    reader: CheckpointReader, given: set[str], carried: list[str], keep: set[str]
 ) -> Callable[[Path], dict[str, str]]:
     """The writer's `carry` hook: once every given tensor is written, the source's tensors
-    left are copied as stored (all of them outside the text model, else an error)."""
+    left are copied as stored (all of them outside the text model or in `keep`, else an
+    error)."""
 
     def carry(tmp: Path) -> dict[str, str]:
-        left = _check_complete(reader, given)
+        left = _check_complete(reader, given | keep)
+        left += sorted(keep - given)
         carried.extend(s for n in left for s in _stored_names(reader, n))
         if not carried:
             return {}
-        log.info("%s: not part of the text model, carried byte for byte: %s",
+        log.info("%s: outside the text model or kept as released, carried byte for byte: %s",
                  reader.directory, ", ".join(carried))  # fmt: skip
         return copy_carried(reader.directory, tmp, carried)
 
@@ -139,15 +142,23 @@ def save_release(
     dtype: ExportDtype = "fp8",
     max_shard_bytes: int = 5 * 2**30,
     progress: Callable[[int], None] | None = None,
+    keep: Iterable[str] = (),
 ) -> ReleaseExport:
     """Write `tensors` (one dict, or a stream of dicts that together hold the text model) in
-    the layout of the release at `source` to `out`; see the module docstring."""
+    the layout of the release at `source` to `out`, with the source's tensors `keep` copied as
+    stored; see the module docstring."""
     pieces = [tensors] if isinstance(tensors, Mapping) else tensors
     given: set[str] = set()
     carried: list[str] = []
+    keep = set(keep)
     with CheckpointReader(source) as reader:
+        unknown = sorted(n for n in keep if n not in set(reader.names()))
+        if unknown:
+            raise CheckpointFormatError(
+                f"{reader.directory}: has no {', '.join(unknown)} to carry into the export"
+            )
         if isinstance(tensors, Mapping):  # known up front: refused before anything is written
-            _check_complete(reader, set(tensors))
+            _check_complete(reader, set(tensors) | keep)
         encode = _as_released(reader)
 
         def storage(name: str) -> str | Callable:
@@ -165,6 +176,6 @@ def save_release(
             max_shard_bytes=max_shard_bytes,
             extra_files=tokenizer_files(reader.directory),
             progress=progress,
-            carry=_carry(reader, given, carried),
+            carry=_carry(reader, given, carried, keep),
         )
     return ReleaseExport(summary=summary, carried=carried)

@@ -16,6 +16,11 @@ Tensors of the release that are not the text backbone (the vision tower, `aligne
 `image_*`, the DSpark stages `mtp.*`, and `ffn.gate.bias_vl`, the routing bias of image tokens)
 are `tensors.not_text`: never loaded, carried over by an export. Each entry's storage kind is
 one of `tensors.py`'s (its `kind_of` agrees, tested).
+
+`saved_as(cfg, section)`: where a training checkpoint holds the Engram tables placed by
+`model.engram` (engram_placement.py): a trainable table sharded over ranks as
+`layers.L.engram.placed.weight` (rows of the whole table), a frozen one nowhere (its rows are the
+release's, which an export carries unchanged).
 """
 
 from __future__ import annotations
@@ -173,6 +178,22 @@ def name_table(cfg: DeepseekV41Config) -> dict[str, Entry]:
     for layer in range(cfg.num_layers):
         entries += _block(cfg, layer)
     return {e.ours: e for e in entries}
+
+
+def engram_tables(cfg: DeepseekV41Config) -> list[str]:
+    """Our names of the Engram tables (`layers.L.engram.table`)."""
+    return [f"layers.{layer}.engram.table" for layer in cfg.engram_layer_ids]
+
+
+def saved_as(cfg: DeepseekV41Config, section: Any) -> dict[str, str | None]:
+    """{our name: the name a training checkpoint of a run (`section`: its `model` section)
+    stores it under when placed, or None when it keeps it out} for the Engram tables; a table
+    left in place (replicated trainable, or rows not FP8-encodable) is stored as itself."""
+    trainable = section.engram.trainable
+    return {
+        name: name.removesuffix("table") + "placed.weight" if trainable else None
+        for name in engram_tables(cfg)
+    }
 
 
 def release_tensors(cfg: DeepseekV41Config) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -158,3 +158,28 @@ def test_a_release_stored_otherwise_is_refused(decoded: dict, tmp_path: Path) ->
     with pytest.raises(CheckpointFormatError, match=expected):
         save_release(decoded, release, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_save_pretrained_carries_frozen_placed_tables(source: dict, tmp_path: Path) -> None:
+    """A model read by load_pretrained whose Engram tables were placed frozen (FP8 rows, no
+    state-dict entry): its bf16 save carries the release's table bytes; saved beside another
+    release, refused naming the tables."""
+    from primus_v4 import save_pretrained
+    from primus_v4.models.deepseek_v41.engram_placement import place_engram
+    from primus_v4.models.deepseek_v41.release.load import load_pretrained
+
+    model = load_pretrained(RELEASE, progress=False)
+    placed = place_engram(model, placement="replicated", trainable=False)
+    assert sorted(placed) == ["layers.1.engram", "layers.4.engram"]
+    save_pretrained(model, tmp_path / "out", dtype="bfloat16")
+    got = _stored(tmp_path / "out")
+    for name in placed:
+        for part in ("weight", "scale"):
+            stored = f"{name}.embed.{part}"
+            assert _same_bytes(got[stored], source[stored]), stored
+    assert got["layers.1.engram.wkv.weight"].dtype == torch.bfloat16  # the rest as bf16
+    other = tmp_path / "other"
+    shutil.copytree(RELEASE, other)
+    with pytest.raises(CheckpointFormatError, match=r"layers\.1\.engram\.embed\.weight.*placed"):
+        save_pretrained(model, tmp_path / "out2", source=other)
+    assert not (tmp_path / "out2").exists()
