@@ -177,7 +177,7 @@ def model_config(cfg: RunConfig, *, geometry: bool = False) -> Any:
     """The model preset with `model.overrides` and `model.*` applied (errors name the key).
     `geometry`: the family's torch-free geometry (models/model_spec.GeometrySpec) where it holds
     every field the run sets, checked alike (what builds no model reads no more); otherwise, and
-    always with `model.pretrained` or `model.recompute`, the model config itself."""
+    always with `model.pretrained`, the model config itself."""
     # torch (megatron, the model) loads only when a model config is asked for: `pack` and
     # config validation stay torch-free
     family = model_family(cfg)
@@ -214,11 +214,7 @@ def _geometry_holds(cfg: RunConfig, geometry: GeometrySpec) -> bool:
     """Whether the family's geometry has every field the run's model config sets (a preset's
     fields, `model.overrides`), so that it checks what the model config would."""
     fields = {f.name for f in dataclasses.fields(geometry.config_class)}
-    return (
-        cfg.model.pretrained is None
-        and cfg.model.recompute == "none"
-        and set(cfg.model.overrides) <= fields
-    )
+    return cfg.model.pretrained is None and set(cfg.model.overrides) <= fields
 
 
 def _recompute_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:

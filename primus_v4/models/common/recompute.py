@@ -29,19 +29,7 @@ from typing import Any
 
 import torch
 
-MODULES = ("layernorm", "mla_up_proj", "core_attn", "shared_experts", "moe")
-DEFAULT_MODULES = ("layernorm", "mla_up_proj", "core_attn")
-
-
-def check_modules(modules: Sequence[str]) -> None:
-    from primus_v4.errors import ConfigError
-
-    unknown = sorted(set(modules) - set(MODULES))
-    if unknown or not modules:
-        raise ConfigError(
-            f"recompute_modules {list(modules)}: choose one or more of {list(MODULES)}"
-            + (f" ({unknown} unknown)" if unknown else "")
-        )
+from primus_v4.models.common.recompute_choice import DEFAULT_MODULES
 
 
 def selected(cfg: Any) -> frozenset[str]:

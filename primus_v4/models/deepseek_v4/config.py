@@ -41,7 +41,7 @@ class DeepseekV4Config(DeepseekV4Fields, TransformerConfig):
             super().__post_init__()
         self.recompute_modules = modules
         if self.recompute_granularity == "selective":
-            from primus_v4.models.common.recompute import DEFAULT_MODULES, check_modules
+            from primus_v4.models.common.recompute_choice import DEFAULT_MODULES, check_modules
 
             self.recompute_modules = list(DEFAULT_MODULES if modules is None else modules)
             check_modules(self.recompute_modules)

@@ -236,10 +236,20 @@ class DeepseekV4Geometry(DeepseekV4Fields):
     moe_aux_loss_coeff: float | list[float] = 0.0
     mtp_num_layers: int | None = None
     mtp_loss_scaling_factor: float | None = 0.1
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: list[str] | None = None
 
     def __post_init__(self) -> None:
         check_sizes(vars(self), source="model config")
         self._megatron_checks()
+        if self.recompute_granularity == "selective":  # as DeepseekV4Config names its parts
+            from primus_v4.models.common.recompute_choice import DEFAULT_MODULES, check_modules
+
+            modules = self.recompute_modules
+            self.recompute_modules = list(DEFAULT_MODULES if modules is None else modules)
+            check_modules(self.recompute_modules)
         self._check_model()
 
     def _megatron_checks(self) -> None:
@@ -265,11 +275,42 @@ class DeepseekV4Geometry(DeepseekV4Fields):
                 "moe_shared_expert_intermediate_size must be num_shared_experts * "
                 f"ffn_size_of_each_shared_expert, but got {shared}"
             )
+        self._megatron_recompute_checks()
         # the output layers' init std (init_method_std / sqrt(2 num_layers)): megatron-core
         # computes it here, and a num_layers of 0 (or below) fails in the division (the root)
         _ = self.init_method_std / math.sqrt(2.0 * self.num_layers)
         if self.moe_router_topk == 1 and not self.moe_router_pre_softmax:
             raise ValueError("Please use --moe-router-pre-softmax when topk is 1.")
+
+    def _megatron_recompute_checks(self) -> None:
+        """`TransformerConfig.__post_init__`'s checks of the recompute fields (pp = 1, no CPU
+        offloading, no sequence parallelism; its module list is not checked: DeepseekV4Config
+        names this model's parts instead)."""
+        granularity, method = self.recompute_granularity, self.recompute_method
+        if granularity is None:
+            return
+        if granularity not in ["full", "selective"]:
+            raise ValueError(
+                f'When using recompute_granuarlity: {granularity} must be "full"or "selective".'
+            )
+        if method is not None:
+            if method not in ["block", "uniform"]:
+                raise ValueError(f'recompute_method: {method} must be "block" or "uniform".')
+        elif granularity != "selective":
+            raise ValueError(
+                f"Using recompute_granularity: {granularity} so "
+                'recompute_method must be "block" or "uniform"'
+            )
+        if granularity != "selective" and self.recompute_num_layers is None:
+            raise ValueError(
+                f"When using recompute_granularity: {granularity} recompute_num_layers must be "
+                f"between 1 and num_layers_per_pipeline_rank: {self.num_layers}"
+            )
+        if granularity == "selective" and self.recompute_num_layers is not None:
+            raise ValueError(
+                f"When using recompute_granularity: {granularity} recompute_num_layers must be "
+                "None."
+            )
 
 
 def boundary_rows(ratio: int, overlap: bool) -> int:

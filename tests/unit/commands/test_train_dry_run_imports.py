@@ -38,6 +38,11 @@ codes = [main(["train", "--dry-run"])]
 codes.append(main(["train", "--dry-run", "--set", "model.preset=tiny_v41"]))
 os.environ["WORLD_SIZE"] = "3"  # three pipeline stages: the stage plan is checked too
 codes.append(main(["train", "--dry-run", "--set", "parallel.pp=3", "--set", "train.steps=5"]))
+os.environ["WORLD_SIZE"] = "1"  # the recipes' recompute choices are geometry too
+codes.append(main(["train", "--dry-run", "--set", "model.recompute=selective",
+                   "--set", "model.recompute_modules=[layernorm,moe]"]))
+codes.append(main(["train", "--dry-run", "--set", "model.recompute=full",
+                   "--set", "model.dtype=bfloat16"]))
 heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "megatron", "safetensors"})
 print(json.dumps({"codes": codes, "heavy": heavy}))
 """
@@ -52,7 +57,7 @@ def test_dry_run_reads_the_model_geometry_without_torch_or_megatron(tmp_path: Pa
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
-    derived = [json.loads(line)["derived"] for line in lines[:3]]
-    assert [d["num_layers"] for d in derived] == [3, 6, 3]
-    assert [d["world_size"] for d in derived] == [1, 1, 3]
-    assert json.loads(lines[-1]) == {"codes": [0, 0, 0], "heavy": []}
+    derived = [json.loads(line)["derived"] for line in lines[:5]]
+    assert [d["num_layers"] for d in derived] == [3, 6, 3, 3, 3]
+    assert [d["world_size"] for d in derived] == [1, 1, 3, 1, 1]
+    assert json.loads(lines[-1]) == {"codes": [0, 0, 0, 0, 0], "heavy": []}

@@ -33,9 +33,18 @@ def test_geometry_fields_are_the_configs_with_its_defaults(family: str) -> None:
     assert model_geometry(family).preset_dir == model_spec(family).preset_dir
 
 
+RECOMPUTE = {
+    "none": [],
+    "selective": ["model.recompute=selective"],
+    "selective-moe": ["model.recompute=selective", "model.recompute_modules=[moe,layernorm]"],
+    "full": ["model.recompute=full"],
+}
+
+
+@pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
 @pytest.mark.parametrize("preset", sorted(presets()))
-def test_every_preset_reads_the_same_as_geometry_and_as_config(preset: str) -> None:
-    cfg = load_config(overrides=[f"model.preset={preset}"])
+def test_every_preset_reads_the_same_as_geometry_and_as_config(preset: str, recompute: str) -> None:
+    cfg = load_config(overrides=[f"model.preset={preset}", *RECOMPUTE[recompute]])
     light, full = model_config(cfg, geometry=True), model_config(cfg)
     assert type(light).__name__.endswith("Geometry") and light.family == full.family
     for f in dataclasses.fields(light):
@@ -62,6 +71,14 @@ BAD = [
     ("tiny_v41", "model.overrides={kv_source_layer_ids: [2, 1]}"),
     ("tiny_v41", "model.overrides={engram_layer_ids: [1], engram_num_embeddings: []}"),
     ("tiny_v41", "model.overrides={candidate_source_layer_id: 0}"),
+    ("tiny", "model.overrides={recompute_granularity: partial}"),
+    ("tiny", "model.overrides={recompute_granularity: full}"),  # megatron-core: a method needed
+    ("tiny", "model.overrides={recompute_granularity: full, recompute_method: zigzag}"),
+    ("tiny", "model.overrides={recompute_granularity: block, recompute_method: block}"),
+    ("tiny", "model.overrides={recompute_granularity: full, recompute_method: block}"),
+    ("tiny", "model.overrides={recompute_granularity: selective, recompute_num_layers: 2}"),
+    ("tiny", "model.overrides={recompute_granularity: selective, recompute_modules: [attn]}"),
+    ("tiny_v41", "model.overrides={recompute_granularity: selective, recompute_modules: []}"),
 ]
 
 
@@ -81,11 +98,8 @@ def test_a_bad_override_fails_alike_as_geometry_and_as_config(preset: str, item:
 
 
 def test_what_the_geometry_does_not_hold_builds_the_config() -> None:
-    """A megatron-core field the presets do not set, a recompute choice or a release: the
-    model config itself (its checks are megatron-core's)."""
-    for items in (
-        ["model.overrides={moe_router_score_function: sigmoid}"],
-        ["model.recompute=full"],
-    ):
-        model = model_config(load_config(overrides=items), geometry=True)
-        assert type(model).__name__ == "DeepseekV4Config", items
+    """A megatron-core field the presets do not set: the model config itself (its checks are
+    megatron-core's)."""
+    items = ["model.overrides={moe_router_score_function: sigmoid}"]
+    model = model_config(load_config(overrides=items), geometry=True)
+    assert type(model).__name__ == "DeepseekV4Config", items

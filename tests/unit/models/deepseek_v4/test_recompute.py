@@ -9,7 +9,7 @@ import torch
 from test_model import make_pack, psp_of, tiny_cfg
 
 from primus_v4.errors import ConfigError
-from primus_v4.models.common.recompute import MODULES
+from primus_v4.models.common.recompute_choice import MODULES
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
 
 CHOICES = [[m] for m in MODULES] + [list(MODULES)]
