@@ -249,6 +249,13 @@ class ModelConfig:
             f"applies to model.recompute: selective only (got recompute={self.recompute!r})",
         )
         _require(self.pretrained != "", "model.pretrained", "must not be empty (or leave unset)")
+        _require(
+            not (self.engram.trainable and self.lora.rank > 0),
+            "model.engram.trainable",
+            f"true with model.lora.rank={self.lora.rank}: LoRA freezes the base, Engram tables "
+            "included; train adapters (model.lora.targets may name engram.wkv) or the tables, "
+            "not both",
+        )
 
 
 @dataclass(kw_only=True)

@@ -43,6 +43,18 @@ def test_field_validation(item: str, pattern: str) -> None:
         load_config(overrides=[item])
 
 
+def test_engram_placement_and_training_choices_that_contradict_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"model\.engram\.placement: host holds frozen tables"):
+        load_config(overrides=["model.engram.trainable=true", "model.engram.placement=host"])
+    with pytest.raises(ConfigError) as lora:
+        load_config(overrides=["model.engram.trainable=true", "model.lora.rank=8"])
+    assert str(lora.value).endswith(
+        "model.engram.trainable: true with model.lora.rank=8: LoRA freezes the base, Engram "
+        "tables included; train adapters (model.lora.targets may name engram.wkv) or the tables, "
+        "not both"
+    )
+
+
 def test_parallel_sizes_against_world_size() -> None:
     cfg = load_config(overrides=["parallel.cp=2", "parallel.ep=4", "train.global_batch_size=4"])
     run = resolve_run(cfg, world=8)
