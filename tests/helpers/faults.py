@@ -140,12 +140,14 @@ def unreadable(path: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def captured_logs() -> Iterator[list[str]]:
-    """The package's log messages (its logger does not propagate to the root one: no caplog)."""
+def captured_logs(name: str = "primus_v4") -> Iterator[list[str]]:
+    """The log messages of logger `name` and below (the package's logger does not propagate to
+    the root one: no caplog). A command that sets up logging replaces the package logger's
+    handlers: name a module's logger to capture through it."""
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("primus_v4")
+    logger = logging.getLogger(name)
     logger.addHandler(handler)
     try:
         yield messages

@@ -5,11 +5,11 @@ byte and a config.json that still declares it."""
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
 import torch
+from faults import captured_logs
 from pretrained_runs import run_command, train_items
 from release_0731 import DSPARK_KEYS, release_0731_config, write_release_0731
 from safetensors import safe_open
@@ -47,14 +47,12 @@ def test_config_keys_understood_and_other_keys_still_refused() -> None:
         config_from_release(config, mtp_num_layers=1)
 
 
-def test_fine_tune_export_carries_the_drafter(
-    release: tuple[Path, dict], tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_fine_tune_export_carries_the_drafter(release: tuple[Path, dict], tmp_path: Path) -> None:
     directory, drafter = release
-    with caplog.at_level(logging.INFO, logger="primus_v4"):
+    with captured_logs("primus_v4.models.deepseek_v4.release.load") as logs:
         assert run_command(train, train_items(tmp_path, directory, steps=3)) == 0
-    told = [r for r in caplog.records if "DSpark drafter" in r.getMessage()]
-    assert len(told) == 1 and "MTP loss is off" in told[0].getMessage()
+    told = [m for m in logs if "DSpark drafter" in m]
+    assert len(told) == 1 and "MTP loss is off" in told[0]
     out = tmp_path / "export"
     args = ("--run", str(tmp_path / "run" / "ckpt"), "--out", str(out), "--no-progress")
     assert run_command(export, [], args) == 0
