@@ -615,6 +615,9 @@ def _(ws: Ws):
                 ) from None
 
     dcp.save = interrupted
+    # Ctrl-C as a terminal's process gets it: Python's own SIGINT handler, whatever an earlier
+    # test in this process left installed
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     sets = ("data.path=synthetic:rows=24", "data.seq_length=256", "train.steps=2",
             "train.warmup_steps=0", "checkpoint.interval=1", "output.progress_bar=false",
             "output.plot=false", f"output.dir={ws.tmp / 'run'}", f"checkpoint.dir={ws.tmp / 'ck'}",
@@ -623,6 +626,7 @@ def _(ws: Ws):
         yield ["train", *(a for item in sets for a in ("--set", item))]
     finally:
         dcp.save = real
+        signal.signal(signal.SIGINT, handler)
 
 
 @case("export: newest checkpoint damaged", ExitCode.CHECKPOINT,
