@@ -17,7 +17,7 @@ from test_cp_layout import _pack
 from test_cp_model import BASE, STRADDLE
 from test_dist_pipeline import _inputs, _rows, _step_loss
 
-from primus_v4.models.common.recompute import MODULES
+from primus_v4.models.common.recompute_choice import MODULES
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model, ModelOutput
 from primus_v4.models.deepseek_v4.infra.cp_batch import required_local_rows, shard_batch
 from primus_v4.parallel.context_parallel import CpComm
