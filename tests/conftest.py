@@ -10,11 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from primus_v4.mcore import megatron_import
+
 # Without an accelerator the Triton kernels run in Triton's interpreter on CPU tensors. Triton
 # reads this when a kernel module is imported, and ours are imported on first use, so setting
 # it here (before any test runs) covers every test. With a GPU the kernels compile as usual.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Test modules import megatron-core directly; load it once here the way the package does
+# (primus_v4/mcore.py), so the first of them does not pay for torch.compile and wandb.
+with megatron_import():
+    import megatron.core  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DATA = REPO / "examples" / "data"

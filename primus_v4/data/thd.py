@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from primus_v4.mcore import megatron_import
+
 IGNORE_LABEL = -100
 
 
@@ -85,7 +87,8 @@ def segment_starts(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 def to_packed_seq_params(batch: ThdBatch):
     """The one conversion from a ThdBatch to megatron-core's `PackedSeqParams(qkv_format="thd")`."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+    with megatron_import():
+        from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = batch.cu_seqlens_N1
     max_len = int((cu[1:] - cu[:-1]).max().item())

@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 
 from primus_v4.errors import PrimusError
+from primus_v4.mcore import megatron_import
 
-with warnings.catch_warnings():
-    # megatron-core warns at import that Transformer Engine / Apex are absent (not used here).
-    warnings.simplefilter("ignore")
+with megatron_import():
     from megatron.core import parallel_state as ps
 from primus_v4.log import get_logger
 from primus_v4.parallel.dims import ParallelDims

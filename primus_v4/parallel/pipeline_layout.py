@@ -9,10 +9,10 @@ one symbol, `(...)*N` repeats a group, commas are cosmetic. Flash on 3 stages:
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass
 
 from primus_v4.errors import ConfigError
+from primus_v4.mcore import megatron_import
 
 _SYMBOLS = "EtmL"
 _ALLOWED = set(_SYMBOLS + "|*(),0123456789 ")
@@ -55,8 +55,7 @@ def _expand(layout: str) -> list[str]:
         )
     if layout.count("(") != layout.count(")"):
         raise ConfigError(f"pp_layout {layout!r}: unbalanced parentheses")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with megatron_import():
         from megatron.core.transformer.pipeline_parallel_layer_layout import (
             PipelineParallelLayerLayout,
         )

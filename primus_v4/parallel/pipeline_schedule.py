@@ -39,6 +39,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from primus_v4.errors import PrimusError
 from primus_v4.log import get_logger
+from primus_v4.mcore import megatron_import
 from primus_v4.parallel.groups import ParallelContext
 
 log = get_logger(__name__)
@@ -231,7 +232,8 @@ class PipelineRunner:
         model = self.model
         if not model.cfg.mtp_num_layers or not (model.is_first or model.is_last):
             return
-        from megatron.core import parallel_state as ps
+        with megatron_import():
+            from megatron.core import parallel_state as ps
 
         weight = model.embedding.weight
         # The optimizer's fp32 accumulation buffer when it owns one (training.optim.zero), else

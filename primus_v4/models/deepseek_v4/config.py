@@ -12,10 +12,9 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-with warnings.catch_warnings():
-    # megatron-core warns at import that Transformer Engine / Apex are absent; the torch
-    # fallbacks are what we use on CPU and ROCm.
-    warnings.simplefilter("ignore")
+from primus_v4.mcore import megatron_import
+
+with megatron_import():
     from megatron.core.transformer import TransformerConfig
 
 from primus_v4.models.deepseek_v4.geometry import (  # noqa: F401 (re-exported)

@@ -23,6 +23,7 @@ import torch
 
 from primus_v4.data.mtp_shift import MtpStreams, mtp_streams, shift_in_sample
 from primus_v4.data.thd import ThdBatch, TokenCounts, to_packed_seq_params
+from primus_v4.mcore import megatron_import
 from primus_v4.models.deepseek_v4.geometry import required_local_rows
 from primus_v4.models.deepseek_v4.layout import LocalComm, SeqComm
 from primus_v4.parallel.context_parallel import ContextParallelError, CpComm, split_rows
@@ -73,7 +74,8 @@ class CpShard:
         dev = torch.device(device)
         psp = None
         if packed:
-            from megatron.core.packed_seq_params import PackedSeqParams
+            with megatron_import():
+                from megatron.core.packed_seq_params import PackedSeqParams
 
             cu = self.cu_seqlens_N1.to(dev)  # global: every rank sees the whole pack's segments
             psp = PackedSeqParams(
