@@ -81,3 +81,24 @@ def test_all_rows_head_equals_supervised_rows_head(chunk, ce_rows):
         assert sum(ce_rows) == (h.shape[0] if all_rows else int((mask != 0).sum()))
     for a, b in zip(got[False], got[True], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)  # fp32 chunk order
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_head_on_cpu_gives_half_precision_logits(dtype):
+    """On CPU the GEMMs of a bf16/fp16 head run in float32 (oneDNN's half GEMM is ~100x slower
+    there); the logits are still rounded to the head's dtype, as a half GEMM's would be."""
+    h32, w32, labels, mask = _inputs(t=29, d=24, v=300)
+    h = h32.detach().to(dtype).requires_grad_()
+    w = w32.detach().to(dtype).requires_grad_()
+    logits = (h.float() @ w.float().t()).to(dtype).float()  # the head's rounding of each logit
+    keep = mask > 0
+    ref = torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum")
+    r_h, r_w = torch.autograd.grad(ref, (h, w))
+    got = chunked_linear_ce(h, w, labels, mask, chunk=8)
+    g_h, g_w = torch.autograd.grad(got, (h, w))
+    assert got.dtype == torch.float32
+    # the same float32 logits in another chunk order; grads then rounded to the input's dtype
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-4)
+    assert g_h.dtype == h.dtype and g_w.dtype == w.dtype
+    torch.testing.assert_close(g_h.float(), r_h.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(g_w.float(), r_w.float(), rtol=2e-2, atol=2e-2)
