@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -27,15 +26,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from ports import free_port
+
 
 class RankFailed(RuntimeError):
     """A worker raised, died or timed out; the message carries its traceback."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(

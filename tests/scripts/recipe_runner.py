@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "run_scripts"
 ALPACA_DEMO = REPO / "examples" / "data" / "alpaca_demo.json"
@@ -61,7 +63,8 @@ def run_recipe(
 
 def recipe_env(tmp_path: Path, **env: str) -> dict[str, str]:
     """The environment `run_recipe` gives a recipe: no knob inherited from the caller's shell,
-    DRY_RUN=1, node-local and output dirs in tmp_path, the offline demo corpus; then `env`."""
+    DRY_RUN=1, node-local and output dirs in tmp_path, the offline demo corpus, a free rendezvous
+    port (two pytest workers may launch side by side); then `env`."""
     base = {k: v for k, v in os.environ.items() if not _KNOB.match(k)}
     base.update(
         DRY_RUN="1",
@@ -71,6 +74,7 @@ def recipe_env(tmp_path: Path, **env: str) -> dict[str, str]:
         PRIMUS_OUTPUT_DIR=str(tmp_path / "out"),
         PRIMUS_TOKENIZER_PROBE_DIRS=str(tmp_path / "no_tokenizer_here"),
         PRIMUS_MEMORY_PLAN="0",  # builds the meta model (~10 s): one test asks for it
+        MASTER_PORT=str(free_port()),
     )
     base.update(env)
     return base

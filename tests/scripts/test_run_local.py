@@ -6,16 +6,9 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 
+from ports import free_port
 from recipe_runner import run_recipe
-
-
-def _free_port() -> int:
-    # Other test runs on this machine may hold the default port; ask the OS for a free one.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_run_local_trains_tiny_model_on_two_cpu_processes(tmp_path):
@@ -30,7 +23,7 @@ def test_run_local_trains_tiny_model_on_two_cpu_processes(tmp_path):
         PRIMUS_SEQ_LENGTH="512",
         # no GBS: the config's global batch of 1 follows dp (2), as the README runs it
         PRIMUS_DATA_PATH="synthetic",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
     )
     out = tmp_path / "out"
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

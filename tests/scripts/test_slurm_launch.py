@@ -11,11 +11,11 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
+from ports import free_port
 from recipe_runner import REPO, SCRIPTS, recipe_env, run_recipe
 
 SBATCH = SCRIPTS / "slurm" / "sbatch_recipe.sh"
@@ -115,15 +115,9 @@ def test_a_one_node_recipe_on_two_nodes_is_refused(tmp_path: Path) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(tmp_path: Path, name: str, nodes: int, procs: int) -> list[subprocess.Popen[bytes]]:
     """One task invocation per simulated node, as srun starts them, concurrently."""
-    port, started = str(_free_port()), []
+    port, started = str(free_port()), []
     for node in range(nodes):
         slurm = _slurm(nodes, node, procs, job=str(100 + nodes))
         env = recipe_env(tmp_path, **TINY, **slurm, MASTER_PORT=port,
