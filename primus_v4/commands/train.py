@@ -89,7 +89,11 @@ def run(args: argparse.Namespace) -> int:
     check_paths(cfg)  # seconds, before the model config imports torch
     # without a memory plan, a dry run reads the model's geometry: no torch, no megatron-core
     resolved = resolve_run(cfg, geometry=args.dry_run and args.device_memory is None)
-    if not _resumes(cfg):  # a resumed run reads no weights from model.pretrained
+    if _config_only(cfg, args):
+        print(f"primus-v4 train: model.pretrained={cfg.model.pretrained} holds a config.json and "
+              "no weights: the dry run plans from the config alone; training needs the "
+              "release's safetensors there", file=sys.stderr)  # fmt: skip
+    elif not _resumes(cfg):  # a resumed run reads no weights from model.pretrained
         check_pretrained(cfg, resolved.model)
     if _memory_gate(resolved, args) != 0:
         return 3
@@ -105,6 +109,19 @@ def run(args: argparse.Namespace) -> int:
 
     with run_dirs.claim(cfg) if main_rank else contextlib.nullcontext():
         return execute(Trainer(resolved))
+
+
+def _config_only(cfg: Any, args: argparse.Namespace) -> bool:
+    """A dry run whose model.pretrained is a release's config.json without its weights (the
+    published config.json, copied to plan a run before the download)."""
+    if not args.dry_run or cfg.model.pretrained is None:
+        return False
+    from pathlib import Path
+
+    from primus_v4.checkpoint_formats.sharded import INDEX_FILE, SINGLE_FILE
+
+    release = Path(cfg.model.pretrained)
+    return not any((release / name).exists() for name in (INDEX_FILE, SINGLE_FILE))
 
 
 def resume_point(cfg: Any) -> str:

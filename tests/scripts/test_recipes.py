@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from recipe_runner import ALPACA_DEMO, run_recipe, sparse_release
+from recipe_runner import ALPACA_DEMO, REPO, run_recipe, sparse_release
 
 MULTINODE = {"MASTER_ADDR": "10.1.2.3", "NODE_RANK": "0"}
 MULTINODE_RECIPES = [
@@ -272,3 +272,30 @@ def test_one_node_v41_flash_lora_fits_an_mi300x(tmp_path):
     assert "base weights as released (FP8 / FP4 + ue8m0 scales)" in run.stderr
     assert "Engram tables, FP8 + e8m0 (sharded over 8 ranks)" in run.stderr
     assert max(_stage_peaks(run.stderr)) <= 0.9 * 192, run.stderr
+
+
+FLASH_RELEASE = REPO / "primus_v4" / "configs" / "models" / "releases" / "deepseek_v41_flash"
+TINY_PUBLISHED = REPO / "tests" / "fixtures" / "dsv41_dspark_golden" / "checkpoint"
+
+
+def test_v41_recipe_dry_runs_accept_the_published_config(tmp_path):
+    """The published DeepSeek-V4.1-Flash config.json (43 compress ratios, attention_bias,
+    vision_config): a copy of it alone plans the Flash recipe (the download still to come), and
+    the tiny release of that shape dry-runs the one-node LoRA recipe."""
+    flash = tmp_path / "flash"
+    flash.mkdir()
+    (flash / "config.json").write_text((FLASH_RELEASE / "config.json").read_text())
+    script = "run_v41_flash_full_thd_multinode.sh"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run = run_recipe(script, tmp_path / "a", **MULTINODE, PRIMUS_PRETRAINED=str(flash))
+    assert run.returncode == 0, run.stderr
+    assert run.resolved["num_layers"] == 40
+    assert "holds a config.json and no weights" in run.stderr
+    # the one-node LoRA recipe's EP 8 divides the tiny release's 8 experts (the full one's 16 not)
+    run = run_recipe(
+        "run_v41_flash_lora_1node.sh", tmp_path / "b", PRIMUS_PRETRAINED=str(TINY_PUBLISHED)
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.resolved["num_layers"] == 8 and run.resolved["ep"] == 8
+    assert "compress_ratios" not in run.stderr

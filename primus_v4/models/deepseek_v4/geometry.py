@@ -22,9 +22,6 @@ from primus_v4.models.model_spec import GeometrySpec
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"  # models.PRESET_DIR
 LAYER_KINDS = {0: "dense", 4: "csa", 128: "hca"}
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"  # models.PRESET_DIR
-LAYER_KINDS = {0: "dense", 4: "csa", 128: "hca"}
-
 # Upper bound of every size: about 16x the largest release (V4-Pro: 61 layers, hidden 7168,
 # 128 heads, 384 experts, vocab 129280), so no real model meets one, while a typo or a hostile
 # config.json (10**6 layers) fails here, before anything per layer, row or expert is allocated.
@@ -199,8 +196,17 @@ class DeepseekV4Fields:
         family = values.pop("family", cls.family)
         if family != cls.family:
             raise ConfigError(f"{path}: family {family!r} is not {cls.family!r}")
+        release = values.pop("release_config", None)
+        if release is not None:  # the geometry is the release's own config.json
+            values = {**cls.release_fields(PRESET_DIR / release), **values}
         values.update(overrides)
         return cls.from_dict(values, source=str(path))
+
+    @classmethod
+    def release_fields(cls, path: Path) -> dict[str, Any]:
+        """The model fields of a release config.json that a preset names (`release_config:`,
+        relative to the preset directory); a family without a torch-free reader refuses."""
+        raise ConfigError(f"{path}: the {cls.family} presets do not read a release config.json")
 
     @classmethod
     def from_dict(cls, values: dict, *, source: str = "<dict>") -> Self:

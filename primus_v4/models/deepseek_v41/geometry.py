@@ -11,6 +11,7 @@ layers) and has no MTP depth in the backbone (the release's DSpark stages are no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from primus_v4.errors import ConfigError
@@ -122,6 +123,19 @@ class DeepseekV41Fields(DeepseekV4Fields):
             raise ConfigError("engram_max_ngram_size must be >= 2 and engram_n_heads >= 1")
         if self.engram_head_dim < 1 or self.engram_compressed_vocab_size < 1:
             raise ConfigError("engram_head_dim and engram_compressed_vocab_size must be >= 1")
+
+    @classmethod
+    def release_fields(cls, path: Path) -> dict[str, Any]:
+        """The model fields of the release config.json at `path` (release/config_json.py)."""
+        import json
+
+        from primus_v4.errors import CheckpointFormatError
+        from primus_v4.models.deepseek_v41.release.config_json import fields_from_release
+
+        try:
+            return fields_from_release(json.loads(path.read_text()), source=str(path))
+        except (OSError, json.JSONDecodeError, CheckpointFormatError) as err:
+            raise ConfigError(f"{path}: the preset's release config.json: {err}") from None
 
     def kv_source(self, layer: int) -> int | None:
         """The layer whose compressed KV and index keys `layer` reads (the latest source)."""

@@ -15,7 +15,7 @@ from primus_v4.models.deepseek_v4 import spec as v4
 from primus_v4.models.deepseek_v4.config import PRESET_DIR
 from primus_v4.models.deepseek_v4.infra.parallelize import is_meta
 from primus_v4.models.deepseek_v41 import lora, peft
-from primus_v4.models.deepseek_v41.config import LAYER_KINDS, DeepseekV41Config
+from primus_v4.models.deepseek_v41.config import LAYER_KINDS, DeepseekV41Config, config_from_release
 from primus_v4.models.deepseek_v41.engram_placement import place_for_run
 from primus_v4.models.deepseek_v41.infra.cp_batch import CpSplitter, required_local_rows
 from primus_v4.models.deepseek_v41.infra.parallelize import parallelize
@@ -53,7 +53,7 @@ SPEC = ModelSpec(
     release=ReleaseFormat(
         read_config=load.read_config,
         config_json=_config_json,
-        config_from_json=config_json.config_from_release,
+        config_from_json=config_from_release,
         check=load.check,
         open=load.open_release,
         rank_loader=load.rank_loader,

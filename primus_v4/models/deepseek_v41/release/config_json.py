@@ -1,9 +1,16 @@
 """The V4.1 release's config.json (`model_type: deepseek_v41`, the text model under
 `text_config`) <-> `DeepseekV41Config`.
 
-Keys that describe the text backbone map one to one; keys of parts this model does not build
-(vision, DSpark drafting) and inference-only keys are accepted as they are; any other key is an
-error, so a release whose math we do not know is never loaded silently.
+Every key of the published release has a place: keys that describe the text backbone map one
+to one onto our fields; keys whose value fixes math we build one way only are checked against
+that value; keys of parts this model does not build (the DSpark stages, the vision tower) and
+inference-only keys are accepted as they are (an export writes the source's config.json back
+as it came). Any other key, at the top level or in `text_config`, is an error, so a release
+whose math we do not know is never loaded silently.
+
+`compress_ratios` lists the backbone's `num_hidden_layers` ratios followed by one 0 per DSpark
+draft stage (`num_nextn_predict_layers`), as V4's lists its MTP slot: the tail is checked and
+left out of the backbone's config. Torch-free: `train --dry-run` and the presets read it.
 """
 
 from __future__ import annotations
@@ -11,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 from primus_v4.errors import CheckpointFormatError
-from primus_v4.models.deepseek_v41.config import DeepseekV41Config
 
 # text_config key -> our field
 FIELDS = {
@@ -69,6 +75,7 @@ FIXED = {
     "topk_method": "noaux_tc",
     "norm_topk_prob": True,
     "tie_word_embeddings": False,
+    "attention_bias": False,  # no projection of V4.1 has a bias
 }
 # read by parts we do not build (DSpark stages, vision) or by inference only
 PASSED = {
@@ -77,32 +84,98 @@ PASSED = {
     "dspark_n_routed_experts", "dspark_num_experts_per_tok", "dtype", "bos_token_id",
     "eos_token_id", "pad_token_id", "image_token_id", "torch_dtype",
 }  # fmt: skip
+# keys beside `text_config` in a composite config.json: the vision tower's config and the image
+# placeholder id belong to the vision path (its tensors stay in the release)
+TOP_LEVEL = {
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "tie_word_embeddings",
+    "quantization_config", "text_config", "vision_config",
+}  # fmt: skip
+# the release's storage (release/tensors.py reads every tensor by its kind); a config.json
+# naming another scheme is refused rather than decoded as this one
+QUANTIZATION = {
+    "quant_method": "fp8",
+    "weight_block_size": [32, 32],
+    "scale_fmt": "ue8m0",
+    "expert_dtype": "fp4",
+}
+QUANTIZATION_PASSED = {"activation_scheme"}  # how inference quantizes activations
 
 
 def text_config(d: dict[str, Any], source: str) -> dict[str, Any]:
-    """The text model's keys of a V4.1 config.json (composite or already the text part)."""
-    text = d.get("text_config", d)
+    """The text model's keys of a V4.1 config.json (composite or already the text part); the
+    keys beside `text_config` are checked."""
+    if "text_config" not in d:
+        return d
+    text = d["text_config"]
     if not isinstance(text, dict):
         raise CheckpointFormatError(f"{source}: text_config must be an object")
+    unknown = sorted(set(d) - TOP_LEVEL)
+    if unknown:
+        raise CheckpointFormatError(f"{source}: unknown config.json key {unknown[0]!r}")
+    if d.get("tie_word_embeddings", False) is not False:
+        raise CheckpointFormatError(
+            f"{source}: tie_word_embeddings = {d['tie_word_embeddings']!r}; DeepSeek-V4.1's "
+            "embedding and head are separate tensors"
+        )
+    _check_quantization(d.get("quantization_config"), source)
     return text
 
 
-def config_from_release(d: dict[str, Any], *, source: str = "config.json", **overrides):
-    """DeepseekV41Config from a release config.json dict; `overrides` set training fields."""
+def _check_quantization(q: Any, source: str) -> None:
+    if q is None:  # a bf16 export writes none
+        return
+    if not isinstance(q, dict):
+        raise CheckpointFormatError(f"{source}: quantization_config must be an object")
+    for key, value in q.items():
+        if key in QUANTIZATION_PASSED:
+            continue
+        if key not in QUANTIZATION:
+            raise CheckpointFormatError(f"{source}: unknown quantization_config key {key!r}")
+        if value != QUANTIZATION[key]:
+            raise CheckpointFormatError(
+                f"{source}: quantization_config.{key} = {value!r}; the DeepSeek-V4.1 release "
+                f"stores {QUANTIZATION[key]!r}"
+            )
+
+
+def backbone_ratios(text: dict[str, Any], source: str) -> list[int]:
+    """The backbone's compress ratios: `compress_ratios` without the DSpark stages' tail (one 0
+    per `num_nextn_predict_layers`), which is checked."""
+    ratios = text.get("compress_ratios")
+    if not isinstance(ratios, list):
+        raise CheckpointFormatError(f"{source}: text_config.compress_ratios must be a list")
+    stages = text.get("num_nextn_predict_layers", 0)
+    layers = text.get("num_hidden_layers", len(ratios) - stages)
+    if len(ratios) != layers + stages:
+        raise CheckpointFormatError(
+            f"{source}: text_config.compress_ratios has {len(ratios)} entries; the release "
+            f"lists num_hidden_layers ({layers}) backbone ratios then one 0 per DSpark draft "
+            f"stage (num_nextn_predict_layers {stages}): {layers + stages} expected"
+        )
+    tail = ratios[layers:]
+    if any(r != 0 for r in tail):
+        bad = next(i for i, r in enumerate(tail) if r != 0)
+        raise CheckpointFormatError(
+            f"{source}: text_config.compress_ratios[{layers + bad}] = {tail[bad]!r}: the entries "
+            f"after the {layers} backbone layers are the DSpark draft stages' and must be 0 "
+            f"(window-only attention); got tail {tail}"
+        )
+    return ratios[:layers]
+
+
+def fields_from_release(d: dict[str, Any], *, source: str = "config.json") -> dict[str, Any]:
+    """Our model config fields of a release config.json dict (torch-free); raises naming any
+    key or value we do not build."""
     text = text_config(d, source)
     values: dict[str, Any] = {}
     for key, value in text.items():
-        if key in FIELDS:
+        if key == "compress_ratios":
+            values["compress_ratios"] = backbone_ratios(text, source)
+        elif key in FIELDS:
             values[FIELDS[key]] = value
         elif key == "rope_scaling":
-            if value.get("rope_type", "yarn") != "yarn":
-                raise CheckpointFormatError(
-                    f"{source}: rope_scaling.rope_type {value.get('rope_type')!r}; "
-                    "DeepSeek-V4.1 uses 'yarn'"
-                )
-            for k, field in ROPE_FIELDS.items():
-                if k in value:
-                    values[field] = value[k]
+            values.update(_rope_fields(value, source))
         elif key in FIXED:
             if value != FIXED[key]:
                 raise CheckpointFormatError(
@@ -113,12 +186,26 @@ def config_from_release(d: dict[str, Any], *, source: str = "config.json", **ove
             raise CheckpointFormatError(f"{source}: unknown text_config key {key!r}")
     values["moe_shared_expert_intermediate_size"] = values.get("moe_ffn_hidden_size")
     values.setdefault("num_query_groups", 1)
-    values.update(overrides)
-    return DeepseekV41Config(**values)
+    return values
 
 
-def config_to_release(cfg: DeepseekV41Config) -> dict[str, Any]:
-    """The text_config keys of `cfg` (the inverse of `config_from_release`)."""
+def _rope_fields(value: Any, source: str) -> dict[str, Any]:
+    if isinstance(value, dict) and "type" in value and "rope_type" not in value:
+        value = {"rope_type": value["type"], **{k: v for k, v in value.items() if k != "type"}}
+    if not isinstance(value, dict) or value.get("rope_type", "yarn") != "yarn":
+        got = value.get("rope_type") if isinstance(value, dict) else value
+        raise CheckpointFormatError(
+            f"{source}: rope_scaling.rope_type {got!r}; DeepSeek-V4.1 uses 'yarn'"
+        )
+    unknown = sorted(set(value) - set(ROPE_FIELDS) - {"rope_type"})
+    if unknown:
+        raise CheckpointFormatError(f"{source}: unknown rope_scaling key {unknown[0]!r}")
+    return {field: value[k] for k, field in ROPE_FIELDS.items() if k in value}
+
+
+def config_to_release(cfg: Any) -> dict[str, Any]:
+    """The text_config keys of a DeepseekV41Config (the inverse of `fields_from_release`; the
+    config class imports this module, so it is not named here)."""
     out: dict[str, Any] = {"model_type": "deepseek_v41_text"}
     out.update({key: getattr(cfg, field) for key, field in FIELDS.items()})
     out["rope_scaling"] = {"rope_type": "yarn"}

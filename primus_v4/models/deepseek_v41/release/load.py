@@ -24,11 +24,10 @@ from primus_v4.log import get_logger
 from primus_v4.models.common.kept_base import release_weights
 from primus_v4.models.deepseek_v4.release.load import _restore_float32
 from primus_v4.models.deepseek_v4.weight_init import init_buffers
-from primus_v4.models.deepseek_v41.config import DeepseekV41Config
+from primus_v4.models.deepseek_v41.config import DeepseekV41Config, config_from_release
 from primus_v4.models.deepseek_v41.model import DeepseekV41Model
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as adapter
 from primus_v4.models.deepseek_v41.release import tensors
-from primus_v4.models.deepseek_v41.release.config_json import config_from_release
 from primus_v4.models.deepseek_v41.release.kept_base import KEPT, keep_release_base
 
 log = get_logger(__name__)
@@ -95,7 +94,7 @@ def load_rank_weights(
         left = check_release(reader, cfg)
         if left:
             log.info("%s: not part of the text model, left in the release: %s", path,
-                     ", ".join(left))  # fmt: skip
+                     tensors.parts_summary(left))  # fmt: skip
         for key, dst in state.items():
             if key not in table:
                 continue  # config-derived buffers (RoPE, the token map) are no checkpoint state

@@ -43,6 +43,7 @@ from primus_v4.models.deepseek_v41.release.tensors import (
     check_stored,
     kind_of,
     not_text,
+    parts_summary,
     read_stored,
 )
 
@@ -128,7 +129,7 @@ def _carry(
         if not carried:
             return {}
         log.info("%s: outside the text model or kept as released, carried byte for byte: %s",
-                 reader.directory, ", ".join(carried))  # fmt: skip
+                 reader.directory, parts_summary(carried))  # fmt: skip
         return copy_carried(reader.directory, tmp, carried)
 
     return carry

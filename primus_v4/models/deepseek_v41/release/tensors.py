@@ -83,6 +83,30 @@ def not_text(name: str) -> bool:
     return NOT_TEXT.fullmatch(name) is not None
 
 
+def _part(name: str) -> str:
+    """The part of the release a tensor outside the text model belongs to (its log group)."""
+    head, _, rest = name.partition(".")
+    if head == "mtp":
+        return f"mtp.{rest.partition('.')[0]}"
+    if head.startswith("image_"):
+        return "image_*"
+    if name.endswith(".bias_vl"):
+        return "ffn.gate.bias_vl"
+    if head in ("vision", "aligner"):
+        return head
+    return name.removesuffix(".scale").removesuffix(".weight")  # a text tensor kept as stored
+
+
+def parts_summary(names: list[str]) -> str:
+    """`names` grouped by part with counts, in one short phrase ("2,841 tensors: mtp.0 120,
+    ...") instead of every name."""
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[_part(name)] = counts.get(_part(name), 0) + 1
+    groups = ", ".join(f"{part} {n:,}" for part, n in sorted(counts.items()))
+    return f"{len(names):,} tensor{'s' if len(names) != 1 else ''} ({groups})"
+
+
 def check_stored(reader: CheckpointReader, name: str, kind: str) -> None:
     """Raise naming `name` unless the release stores it as `kind` says."""
     stored = reader.storage(name)

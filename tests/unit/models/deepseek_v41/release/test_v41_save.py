@@ -117,7 +117,9 @@ def test_parts_outside_the_text_model_are_carried_byte_for_byte(
         assert _same_bytes(written[name], tensor), name
     assert set(planted) <= set(export.carried)
     lines = [r.getMessage() for r in caplog.records if "carried byte for byte" in r.getMessage()]
-    assert len(lines) == 1 and all(name in lines[0] for name in planted)
+    # grouped by part with counts, not every name (a real release carries ~2,800 tensors)
+    counted = ": 14 tensors (aligner 1, ffn.gate.bias_vl 10, mtp.0 3)"
+    assert len(lines) == 1 and lines[0].endswith(counted), lines
     assert len(written) == STORED_TENSORS + len(planted)
 
 
