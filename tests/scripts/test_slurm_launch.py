@@ -82,8 +82,9 @@ def _slurm(nodes: int, node_id: int, gpus: int, job: str = "4242") -> dict[str, 
 
 
 def test_dry_run_prints_the_plan_and_every_nodes_command(tmp_path: Path) -> None:
+    # MASTER_PORT unset: the port derived from the job id (a dry run binds none)
     env = {**TINY, **_slurm(2, 0, 2), "SLURM_JOB_NODELIST": "gpu[07-08]", "DRY_RUN": "1",
-           "GBS": "4"}  # fmt: skip
+           "GBS": "4", "MASTER_PORT": ""}  # fmt: skip
     run = run_recipe(str(SBATCH), tmp_path, timeout=180, args=(BASE,), **env)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
