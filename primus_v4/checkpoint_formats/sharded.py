@@ -39,6 +39,7 @@ from primus_v4.checkpoint_formats.fp8_fp4 import (
     quantize_fp8,
     work_dtype,
 )
+from primus_v4.checkpoint_formats.read_record import open_record
 from primus_v4.checkpoint_formats.safetensors_io import (
     ShardWriter,
     StoredTensor,
@@ -168,6 +169,8 @@ class CheckpointReader:
         scales = set(self._scale_of.values())
         self._names = sorted(n for n in self._shard_of if n not in scales)
         self.bytes_read = 0
+        self._record = open_record()  # read_record.recording_reads: digests of what is read
+        self._name_at = {(m.shard, m.offset): n for n, m in self._meta.items()}
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -258,6 +261,9 @@ class CheckpointReader:
                     f"{stored.offset + start + done} (the file shrank while being read)"
                 )
             done += n
+        if self._record is not None:
+            name = self._name_at[stored.shard, stored.offset]
+            self._record.add(name, stored.shard, stored.offset + start, view)
 
     def _raw(self, name: str) -> torch.Tensor:
         """A stored tensor as stored, in new memory."""

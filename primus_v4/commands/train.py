@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"primus-v4 train: model.pretrained={cfg.model.pretrained} holds a config.json and "
               "no weights: the dry run plans from the config alone; training needs the "
               "release's safetensors there", file=sys.stderr)  # fmt: skip
-    elif not _resumes(cfg):  # a resumed run reads no weights from model.pretrained
+    else:  # a resumed run reads the release too (what its checkpoint does not hold)
         check_pretrained(cfg, resolved.model)
     if _memory_gate(resolved, args) != 0:
         return 3
@@ -153,16 +153,6 @@ def _pack_caches(resolved: Any) -> dict[str, Any]:
     if resolved.eval_data is not None:
         out["eval_pack_cache"] = cache_lookup(resolved.eval_data)
     return out
-
-
-def _resumes(cfg: Any) -> bool:
-    """Whether the run will resume a checkpoint of its own (one complete checkpoint is there)."""
-    from pathlib import Path
-
-    from primus_v4.training.checkpoint.integrity import complete_checkpoints
-
-    ck = cfg.checkpoint
-    return bool(ck.dir and ck.resume and complete_checkpoints(Path(ck.dir)))
 
 
 def _memory_gate(resolved: Any, args: argparse.Namespace) -> int:

@@ -378,7 +378,7 @@ class ResolvedRun:
 def check_pretrained(cfg: RunConfig, model: Any) -> None:
     """model.pretrained: the release's index, shard headers and tensor names against the model
     (no tensor is read), so a missing or truncated shard fails before any work. Called by the
-    trainer and by --dry-run when the run will not resume its own checkpoint instead."""
+    trainer and by --dry-run (a resumed run reads the release too)."""
     if cfg.model.pretrained is None:
         return
     try:

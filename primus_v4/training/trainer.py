@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from primus_v4.checkpoint_formats.read_record import ReadRecord, recording_reads
 from primus_v4.config import ResolvedRun, write_resolved
 from primus_v4.config.resolve import check_pretrained, train_steps
 from primus_v4.data.pipeline import build_or_load
@@ -42,6 +43,7 @@ from primus_v4.log import get_logger
 from primus_v4.models import spec_of
 from primus_v4.training.batches import BatchSource, Corpus
 from primus_v4.training.build import assemble, meta_model
+from primus_v4.training.checkpoint import release_reads
 from primus_v4.training.checkpoint.lifecycle import RunCheckpoints, check_steps
 from primus_v4.training.evaluation import Evaluator
 from primus_v4.training.loss import StepLoss, reduce_counts
@@ -160,8 +162,7 @@ class Trainer:
         # resume costs seconds and writes nothing.
         self.checkpoints = self._checkpoints()
         self.resume_from = self.checkpoints.resume_point() if self.checkpoints else None
-        if self.resume_from is None:  # the release's weights will be read: are they all there?
-            check_pretrained(self.cfg, run.model)
+        check_pretrained(self.cfg, run.model)  # the release is read, resumed or not: all there?
         self.corpus = corpus if corpus is not None else build_corpus(run)
         self.source = BatchSource(
             self.corpus,
@@ -174,7 +175,9 @@ class Trainer:
         if self.resume_from is not None:
             check_steps(self.resume_from, self.total_steps)
         model = model if model is not None else build_model(run)
+        self._release_reads: ReadRecord | None = None
         self.model = self._parallelize(model)
+        self._check_release_reads()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(
             run, self.model, self.runtime.ctx, self.total_steps
@@ -251,20 +254,42 @@ class Trainer:
         log.info("fp32 masters: %d values from the float32 init (not its bf16 rounding)", n)
 
     def _pretrained_weights(self) -> Any:
-        """model.pretrained: a loader of this rank's slice, unless the run resumes its own
-        checkpoint (which then overwrites every weight anyway, so nothing is read)."""
+        """model.pretrained: a loader of this rank's slice, its reads recorded. A resumed run
+        reads the release too: its checkpoint holds the trained weights, not what stays as
+        released (frozen Engram tables, the token map, a kept or frozen base), and then
+        replaces every weight it holds."""
         directory = self.cfg.model.pretrained
         if directory is None:
             return None
-        if self.resume_from is not None and not self.cfg.model.lora.rank:
+        if self.resume_from is not None:
             log.info(
-                "resuming %s: it takes precedence over model.pretrained=%s",
+                "resuming %s: model.pretrained=%s gives what the checkpoint does not hold "
+                "(checked against the release the run started from); the checkpoint's weights "
+                "then replace the trained ones",
                 self.resume_from,
                 directory,
             )
-            return None
-        show = self._bars()
-        return self.spec.release.rank_loader(directory, progress=show)
+        loader = self.spec.release.rank_loader(directory, progress=self._bars())
+
+        def load(model: nn.Module) -> None:
+            with recording_reads() as record:
+                loader(model)
+            self._release_reads = record
+
+        return load
+
+    def _check_release_reads(self) -> None:
+        """A first start records what it read of model.pretrained; a resume is checked
+        against that record (training/checkpoint/release_reads.py)."""
+        record, root = self._release_reads, self.checkpoints.root if self.checkpoints else None
+        if record is None or root is None:
+            return
+        release = self.cfg.model.pretrained
+        if self.resume_from is not None:
+            release_reads.verify(root, release=release, record=record)
+        else:
+            release_reads.save(root, rank=self.runtime.rank, world=self.run.sizes.world,
+                               release=release, record=record)  # fmt: skip
 
     def _context_parallel(self) -> Any:
         """The one path from a pack to model inputs, for every CP size: this rank's contiguous

@@ -1,6 +1,6 @@
 """`primus-v4 train` with `model.pretrained`, the checks that need no HF oracle: the fp8 export
-of the run reloads, resuming the run's own checkpoint takes precedence over model.pretrained (and
-reads none of its weights), a preset beside model.pretrained is ignored (refused when of
+of the run reloads, resuming the run's own checkpoint reads model.pretrained again (checked
+against the first start's record), a preset beside model.pretrained is ignored (refused when of
 another family), and where the tokenizer comes from. The comparisons with HF transformers:
 test_train_pretrained.py.
 """
@@ -18,7 +18,7 @@ from pretrained_runs import run_command, train_items
 from primus_v4 import load_pretrained
 from primus_v4.commands import export, train
 from primus_v4.config import load_config
-from primus_v4.errors import ConfigError
+from primus_v4.errors import CheckpointFormatError, ConfigError
 from primus_v4.training.metrics.writer import read_metrics
 
 
@@ -33,17 +33,21 @@ def test_fp8_export_of_the_run_reloads(trained: Path) -> None:
     assert torch.isfinite(logits).all()
 
 
-def test_resume_takes_precedence_over_pretrained(
+def test_a_resume_reads_the_release_and_needs_it_whole(
     checkpoint: Path, trained: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # config.json only: reading any weight from here would fail, so a resume must read none
+    """The checkpoint holds the trained weights, not what stays as released: a resume reads
+    model.pretrained again, checked against the record of the first start."""
     weightless = tmp_path / "weightless"
     weightless.mkdir()
     (weightless / "config.json").write_text((checkpoint / "config.json").read_text())
-    items = train_items(trained, weightless, steps=2)
+    with pytest.raises(CheckpointFormatError, match=f"model.pretrained={weightless}: "):
+        run_command(train, train_items(trained, weightless, steps=2))
+    assert [r["step"] for r in read_metrics(trained / "run" / "metrics.jsonl")] == [1]
     with caplog.at_level(logging.INFO, logger="primus_v4"):
-        assert run_command(train, items) == 0
-    assert "takes precedence over model.pretrained" in caplog.text
+        assert run_command(train, train_items(trained, checkpoint, steps=2)) == 0
+    assert "gives what the checkpoint does not hold" in caplog.text
+    assert "tensor reads match the release this run started from" in caplog.text
     rows = read_metrics(trained / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
 
