@@ -30,10 +30,14 @@ def fsync_dir(path: Path) -> None:
 
 def write_durable(path: Path, text: str) -> None:
     """Write `text` to a temp file unique to this process, fsync it, then os.replace it over
-    `path`."""
+    `path`. The temp file is created new (`O_EXCL | O_NOFOLLOW`: whatever stands at its name,
+    a planted link included, is removed, never written through), and the rename replaces a link
+    at `path` itself rather than its target."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
+        tmp.unlink(missing_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(tmp, flags, 0o666), "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -7,9 +7,15 @@ second run prints. An flock that is free but names a process of this host that n
 a stale lock (a run killed with -9): it is taken over, and said so. One that names a process on
 another host is refused unless that host's flock says otherwise: whether it still runs cannot be
 checked from here, so the message names the file to delete when that run is gone. Under
-torchrun's elastic agent a lock taken by an earlier attempt of the same job (same rendezvous id,
-fewer restarts) is taken over wherever it was held, its flock included: the agent restarts a
-worker group only after it stopped the previous one, and rank 0 may now run on another node.
+torchrun's elastic agent a lock of an earlier attempt of the same job (same rendezvous id, fewer
+restarts) is inherited once that attempt is proven gone: its flock released (rank 0 may now run
+on another node), and, on this host, its process no longer running. The rendezvous id is never
+proof on its own: while the earlier attempt's flock is held, the new attempt waits for it
+(`LOCK_WAIT_S`, saying so) and then refuses, so a second launch with the same id never takes a
+live run's directory.
+
+The lock file is opened without following links: a symbolic link planted in its place, or a hard
+link to another file, is refused in one line and nothing is written through it.
 
 Another run's outputs are an output.dir holding a config.yaml or a metrics.jsonl: refused unless
 this run continues that one (same checkpoint.dir, checkpoint.resume on) or
@@ -27,6 +33,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +48,7 @@ from primus_v4.log import get_logger
 log = get_logger(__name__)
 
 LOCK_FILE = ".primus-v4.lock"
+LOCK_WAIT_S = 120.0  # an elastic restart waits this long for its earlier attempt's flock
 RUN_MARKS = ("config.yaml", "metrics.jsonl")
 # What a run writes into output.dir and reads back (summary, plot): removed on overwrite.
 RUN_ARTIFACTS = ("metrics.jsonl", "loss.png", "tensorboard", "wandb", "mlruns", "tracker_run.json")
@@ -146,20 +154,69 @@ def _problem(what: str, directory: Path, fd: int) -> tuple[PrimusError | None, s
     holder = _read_holder(fd)
     if holder is None:
         return None, None
-    if _earlier_attempt(holder):
-        return None, (f"{what} {directory}: took over the lock of {_who(holder)}, an earlier "
-                      f"attempt of job {holder['job']} (restarted by torchrun)")  # fmt: skip
-    if holder.get("host") not in (None, socket.gethostname()):
+    this_host = holder.get("host") in (None, socket.gethostname())
+    if this_host and holder and _running(holder):  # a filesystem whose flock misses the holder
         return _in_use(what, directory, holder), None
-    if holder and _running(holder):  # a filesystem whose flock does not reach the holder
+    if _earlier_attempt(holder):  # its flock is released: that attempt is gone
+        return None, (f"{what} {directory}: inherited the lock of {_who(holder)}, an earlier "
+                      f"attempt of job {holder['job']} that no longer holds it")  # fmt: skip
+    if not this_host:
         return _in_use(what, directory, holder), None
     who = _who(holder) if holder else "an unreadable lock"
     return None, f"{what} {directory}: took over the stale lock of {who}, which no longer runs"
 
 
+def _planted(what: str, path: Path, fd: int) -> PrimusError | None:
+    """A refusal when the opened lock file is not a plain file of its own (a hard link to
+    another file would be truncated through it)."""
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+        return None
+    kind = "a hard link" if stat.S_ISREG(st.st_mode) else "not a regular file"
+    return PathError(f"{what} {path.parent}: the lock file {path} is {kind} ({st.st_nlink} "
+                     "names); refused, nothing written through it: remove it if it is not "
+                     "yours")  # fmt: skip
+
+
+def _open_lock(what: str, path: Path, flags: int) -> int:
+    """The lock file opened without following a link; a planted link is refused."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise PathError(f"{what} {path.parent}: the lock file {path} is a symbolic link (to "
+                        f"{os.readlink(path)}); refused, nothing written through it: remove "
+                        "it if it is not yours") from None  # fmt: skip
+    problem = _planted(what, path, fd)
+    if problem is not None:
+        os.close(fd)
+        raise problem
+    return fd
+
+
+def _wait_for_earlier_attempt(what: str, path: Path, fd: int, holder: dict[str, Any]) -> bool:
+    """Wait up to LOCK_WAIT_S for an earlier attempt of this job to release its flock; True
+    when it did (the flock is then held here)."""
+    log.warning("%s %s: waiting up to %.0f s for %s, an earlier attempt of job %s, to release "
+                "its lock", what, path.parent, LOCK_WAIT_S, _who(holder),
+                holder.get("job"))  # fmt: skip
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(1.0, max(0.05, LOCK_WAIT_S / 20)))
+
+
 def _open_locked(what: str, path: Path) -> int | None:
     """The lock file's descriptor with the flock held (None: it went away; try again)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(what, path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -167,18 +224,9 @@ def _open_locked(what: str, path: Path) -> int | None:
             os.close(fd)
             raise
         holder = _read_holder(fd)
-        if _earlier_attempt(holder):
-            # Held by the previous attempt's process on a node that is gone (a shared
-            # filesystem keeps its flock until the lease ends): start a fresh lock file.
-            log.warning("%s %s: breaking the lock of %s, an earlier attempt of job %s", what,
-                        path.parent, _who(holder or {}), (holder or {}).get("job"))  # fmt: skip
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                    path.unlink()
+        if not (_earlier_attempt(holder) and _wait_for_earlier_attempt(what, path, fd, holder)):
             os.close(fd)
-            return None
-        os.close(fd)
-        raise _in_use(what, path.parent, holder) from None
+            raise _in_use(what, path.parent, holder) from None
     try:
         same = os.stat(path).st_ino == os.fstat(fd).st_ino
     except FileNotFoundError:
@@ -219,15 +267,16 @@ def lock_problem(what: str, directory: Path) -> PrimusError | None:
     """What `locked` would refuse, without creating anything (--dry-run)."""
     path = directory / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = _open_lock(what, path, os.O_RDWR)
+    except PrimusError as problem:
+        return problem
     except OSError:
         return None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = _read_holder(fd)
-            return None if _earlier_attempt(holder) else _in_use(what, directory, holder)
+            return _in_use(what, directory, _read_holder(fd))
         return _problem(what, directory, fd)[0]
     finally:
         os.close(fd)
