@@ -13,10 +13,12 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import IO
 
 
 def fsync_dir(path: Path) -> None:
@@ -28,7 +30,40 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_durable(path: Path, text: str) -> None:
+def link_problem(path: str | Path) -> str | None:
+    """Why writing at `path` could land on another file (None when it cannot): a symbolic link
+    stands there, or a file with more than one name (a hard link planted to a file elsewhere)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link (to {os.readlink(path)})"
+    if not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1:
+        return f"{path} is a hard link ({st.st_nlink} names)"
+    return None
+
+
+def open_own(path: Path, *, append: bool) -> IO[str]:
+    """`path` opened for writing text (appending, or truncated) without following a link: a
+    symbolic link there fails (ELOOP), and a file with more than one name raises
+    FileExistsError before anything is truncated. Callers check `link_problem` first to say why
+    in one line; this closes the window between that check and the open."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags | (os.O_APPEND if append else 0), 0o666)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise FileExistsError(f"{path} is not a file of its own ({st.st_nlink} names)")
+        if not append:
+            os.ftruncate(fd, 0)
+        return os.fdopen(fd, "a" if append else "w")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_durable(path: Path, text: str | bytes) -> None:
     """Write `text` to a temp file unique to this process, fsync it, then os.replace it over
     `path`. The temp file is created new (`O_EXCL | O_NOFOLLOW`: whatever stands at its name,
     a planted link included, is removed, never written through), and the rename replaces a link
@@ -37,7 +72,7 @@ def write_durable(path: Path, text: str) -> None:
     try:
         tmp.unlink(missing_ok=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        with os.fdopen(os.open(tmp, flags, 0o666), "w") as f:
+        with os.fdopen(os.open(tmp, flags, 0o666), "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from primus_v4.config.schema import SECTIONS, RunConfig
+from primus_v4.durable import write_durable
 from primus_v4.errors import ConfigError
 from primus_v4.log import get_logger
 
@@ -404,7 +405,5 @@ def write_resolved(cfg: RunConfig, directory: str | Path | None = None) -> Path:
     out = Path(directory if directory is not None else cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "config.yaml"
-    tmp = out / f".config.yaml.{os.getpid()}.tmp"
-    tmp.write_text(dump_yaml(cfg))
-    os.replace(tmp, path)
+    write_durable(path, dump_yaml(cfg))  # never through a link planted at either name
     return path

@@ -42,6 +42,7 @@ from typing import Any
 import yaml
 
 from primus_v4.config import RunConfig
+from primus_v4.durable import link_problem
 from primus_v4.errors import PathError, PrimusError, ResumeError
 from primus_v4.log import get_logger
 
@@ -119,6 +120,15 @@ def _running(holder: dict[str, Any]) -> bool:
         pass  # another user's live process
     start = holder.get("start")
     return start is None or _start_ticks(pid) in (None, start)
+
+
+def refuse_link(path: Path, what: str) -> None:
+    """A PathError in one line when writing at `path` could land on another file: a symbolic
+    link, or a hard link to a file elsewhere, planted there (durable.link_problem)."""
+    problem = link_problem(path)
+    if problem is not None:
+        raise PathError(f"{what} {path.parent}: {problem}; refused, nothing written through it: "
+                        "remove it if it is not yours")  # fmt: skip
 
 
 def _read_holder(fd: int) -> dict[str, Any] | None:

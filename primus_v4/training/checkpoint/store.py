@@ -69,6 +69,7 @@ from primus_v4.training.checkpoint import integrity, safe_dcp
 from primus_v4.training.checkpoint.integrity import COMPLETE, LATEST, MODEL_LAYOUT, newest_intact
 from primus_v4.training.optim.zero import ShardedAdamW
 from primus_v4.training.optim.zero_state import load_optimizer_state, optimizer_state
+from primus_v4.training.run_dirs import refuse_link
 
 if TYPE_CHECKING:
     from primus_v4.training.optim.zero import ShardedAdamW
@@ -312,6 +313,7 @@ def _interrupted(root: Path, tmp: Path, final: Path) -> Interrupted:
 
 def _fresh_dir(root: Path, tmp: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
+    refuse_link(tmp, "checkpoint.dir")  # a planted link: DCP would write where it points
     if tmp.exists():  # left by a save that was killed midway
         shutil.rmtree(tmp)
     tmp.mkdir()

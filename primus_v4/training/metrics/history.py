@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
+from primus_v4.durable import write_durable
 from primus_v4.log import get_logger
 from primus_v4.training.metrics.writer import StepMetrics
 
@@ -58,9 +58,7 @@ def keep_rows_through(path: str | Path, step: int) -> int:
         )
         log.warning("%s: line(s) %s cut short (a run killed mid-write) removed; %s", path,
                     ", ".join(map(str, torn)), lost)  # fmt: skip
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
-    os.replace(tmp, path)
+    write_durable(path, "".join(json.dumps(row) + "\n" for row in kept))
     return len(kept)
 
 

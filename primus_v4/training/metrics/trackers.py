@@ -27,12 +27,14 @@ from primus_v4.config.preflight import tracker_available, tracker_missing
 from primus_v4.durable import write_durable
 from primus_v4.errors import ConfigError
 from primus_v4.log import get_logger
+from primus_v4.training.run_dirs import refuse_link
 
 log = get_logger(__name__)
 
 # MLflow takes at most 100 parameters per logged batch.
 MLFLOW_PARAMS_PER_BATCH = 100
 RUN_ID_FILE = "tracker_run.json"
+TRACKER_DIRS = ("tensorboard", "wandb", "mlruns")  # what the libraries write under output.dir
 
 
 class Tracker(Protocol):
@@ -211,6 +213,8 @@ def open_tracker(cfg: RunConfig, out_dir: Path, *, resume: bool = False) -> Trac
         log.info("output.tensorboard: true is read as output.tracker: tensorboard")
     if not tracker_available(name):
         raise ConfigError(tracker_missing(name))
+    for planted in TRACKER_DIRS:  # the library writes below it: never into a planted link
+        refuse_link(out_dir / planted, "output.dir")
     run_id = _previous_run_id(out_dir, name) if resume else None
     tracker = TRACKERS[name](cfg, out_dir, run_id)
     if tracker.run_id is not None:

@@ -3,6 +3,7 @@ table, loss.png."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import resource
@@ -14,7 +15,9 @@ from typing import IO, Any
 
 import torch
 
+from primus_v4.durable import open_own, write_durable
 from primus_v4.training.metrics.trackers import Tracker
+from primus_v4.training.run_dirs import refuse_link
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +113,8 @@ class MetricsWriter:
     ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] = self.path.open("a" if append else "w")
+        refuse_link(self.path, "output.dir")
+        self._file: IO[str] = open_own(self.path, append=append)
         self.rows: list[StepMetrics] = []
         self.tracker = tracker  # gets the same rows (output.tracker); closed with the writer
 
@@ -217,6 +221,8 @@ def plot_loss(rows: Sequence[StepMetrics], path: str | Path) -> Path:
     ax_lr.set(xlabel="step", ylabel="learning rate", title="lr")
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=100, format="png")
     plt.close(fig)
+    write_durable(path, image.getvalue())  # replaces a link planted at loss.png, never follows it
     return path
