@@ -41,6 +41,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon)
         self.moe = MoE(cfg, layer_idx=layer_idx, dispatcher=dispatcher)
         self.recompute = selected(cfg)  # layernorm / moe (models/common/recompute.py)
+        # set by DeepseekV41Model.draft: {layer: the mean over the streams of this layer's input}
+        self.capture: dict[int, torch.Tensor] | None = None
 
     def _attn_input(self, x_TKD: torch.Tensor, pre_TK: torch.Tensor) -> torch.Tensor:
         return self.attn_norm(self.attn_mix.collapse(x_TKD, pre_TK))
@@ -64,6 +66,8 @@ class Block(nn.Module):
         layout = require_layout(layout, f"decoder layer {self.layer_idx}")
         if self.engram is not None:
             x_TKD = self.engram(x_TKD, engram_rows_TC, engram_mask_T)
+        if self.capture is not None:  # what the DSpark drafter reads (dspark.py)
+            self.capture[self.layer_idx] = x_TKD.mean(dim=1)
         norms = "layernorm" in self.recompute
         attn_in, ffn_in = self._attn_input, self._ffn_input
         if norms:

@@ -61,6 +61,22 @@ class DeepseekV41Fields(DeepseekV4Fields):
     """Token id whose compressed id fills the look-back before a sample's start."""
     engram_compressed_vocab_size: int = 0
     """Size of the Engram token map's range (the hash multipliers derive from it)."""
+    dspark_stages: int = 0
+    """DSpark draft stages after the backbone (the release's `num_nextn_predict_layers`, its
+    `mtp.0..` tensors); 0 = no drafter. Built only when asked (`DeepseekV41Model(drafter=True)`,
+    `load_pretrained(..., drafter=True)`): the backbone trains and exports as before."""
+    dspark_block_size: int = 0
+    """Draft positions per anchor: the anchor token, then `dspark_block_size - 1` noise tokens."""
+    dspark_noise_token_id: int = 0
+    """The token id that fills a draft block after its anchor."""
+    dspark_target_layer_ids: list[int] = field(default_factory=list)
+    """Backbone layers whose INPUT (mean over the mHC streams) the drafter reads, concatenated."""
+    dspark_markov_rank: int = 0
+    """Rank of the Markov head (previous draft token -> a bias on the draft logits)."""
+    dspark_n_routed_experts: int = 0
+    """Routed experts of each draft stage's own MoE."""
+    dspark_num_experts_per_tok: int = 0
+    """Experts each draft token is routed to."""
     activation_fake_quant: bool = False
     """Simulate the release's inference activation quantization (window KV FP8 per 32 values,
     compressed KV FP4 per 16 with e4m3 scales, indexer q/k FP4 per 32; straight-through
@@ -98,6 +114,7 @@ class DeepseekV41Fields(DeepseekV4Fields):
                 raise ConfigError(f"layer {i} is a kv/index source but its compress ratio is 0")
         self._validate_candidates()
         self._validate_engram()
+        self._validate_dspark()
         if self.activation_fake_quant and (self.kv_channels % 32 or self.index_head_dim % 32):
             raise ConfigError(
                 "activation_fake_quant quantizes KV and index vectors in blocks of 32: "
@@ -113,6 +130,29 @@ class DeepseekV41Fields(DeepseekV4Fields):
             raise ConfigError(f"candidate_source_layer_id {c} must be an index source layer")
         if self.candidate_topk_blocks < 1 or self.candidate_block_size < 1:
             raise ConfigError("candidate_topk_blocks and candidate_block_size must be >= 1")
+
+    def _validate_dspark(self) -> None:
+        if not self.dspark_stages:
+            return
+        n = self.num_layers
+        ids = self.dspark_target_layer_ids
+        if not ids or sorted(set(ids)) != list(ids) or any(not 0 <= i < n for i in ids):
+            raise ConfigError(
+                f"dspark_target_layer_ids {ids} must be increasing backbone layer indices in "
+                f"[0, {n}) (dspark_stages {self.dspark_stages})"
+            )
+        if self.dspark_block_size < 1 or self.dspark_markov_rank < 1:
+            raise ConfigError("dspark_block_size and dspark_markov_rank must be >= 1")
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+            raise ConfigError(
+                f"dspark_noise_token_id {self.dspark_noise_token_id} is not a token id of the "
+                f"vocabulary ({self.vocab_size})"
+            )
+        if not 1 <= self.dspark_num_experts_per_tok <= self.dspark_n_routed_experts:
+            raise ConfigError(
+                f"dspark_num_experts_per_tok ({self.dspark_num_experts_per_tok}) must be in "
+                f"[1, dspark_n_routed_experts ({self.dspark_n_routed_experts})]"
+            )
 
     def _validate_engram(self) -> None:
         if not self.engram_layer_ids:

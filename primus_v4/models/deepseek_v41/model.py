@@ -29,6 +29,7 @@ from primus_v4.models.deepseek_v41.attention import SharedCache
 from primus_v4.models.deepseek_v41.block import Block
 from primus_v4.models.deepseek_v41.compressor import PoolPlan
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
+from primus_v4.models.deepseek_v41.dspark import DraftOutput, DraftPlan, DSparkDrafter
 from primus_v4.models.deepseek_v41.engram import EngramHash
 
 
@@ -92,7 +93,10 @@ class DeepseekV41Model(DeepseekV4Model):
         dispatcher: Dispatcher | None = None,
         activation_checkpointing: bool | None = None,
         seed: int | None = None,
+        drafter: bool = False,
     ) -> None:
+        """drafter: also build the release's DSpark draft stages (`self.dspark`, dspark.py;
+        the config must have them); without it they stay in the release, as before."""
         nn.Module.__init__(self)
         self.cfg = cfg
         d = cfg.hidden_size
@@ -105,7 +109,10 @@ class DeepseekV41Model(DeepseekV4Model):
         )
         self.final_norm = RMSNorm(d, cfg.layernorm_epsilon)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleList()  # the release's DSpark stages are not part of the backbone
+        self.mtp = nn.ModuleList()  # no MTP depth: the release's draft stages are `dspark`
+        if drafter and not cfg.dspark_stages:
+            raise ConfigError("drafter=True but the config has no DSpark stages (dspark_stages 0)")
+        self.dspark = DSparkDrafter(cfg) if drafter else None
         self.engram_rows = EngramRows(cfg) if cfg.engram_layer_ids else None
         if not self.embedding.weight.is_meta:
             self.init_weights(seed)
@@ -158,6 +165,65 @@ class DeepseekV41Model(DeepseekV4Model):
             out.mtp_loss = aux.new_zeros(())
         out.aux_loss = aux
         return out
+
+    def draft(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        packed_seq_params: object,
+        anchors: object,
+        block_ids: object | None = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> DraftOutput:
+        """The DSpark drafts of many anchors of one packed row in one pass (dspark.py):
+        `.logits` [K, B, V] (`logits[k, i]` drafts the token at row anchors[k] + 1 + i) and
+        `.confidence` [K, B]. `anchors`: rows of the pack (each after its sample's first token,
+        never padding); `block_ids` [K, B]: the Markov head's inputs (default: the data tokens
+        anchors[k] .. anchors[k] + B - 1). The packing metadata is required: without
+        cu_seqlens an anchor's window would reach into the sample before it."""
+        if self.dspark is None:
+            raise ConfigError(
+                "draft: this model was built without its DSpark drafter (build it with "
+                "drafter=True, or load_pretrained(..., drafter=True))"
+            )
+        if getattr(packed_seq_params, "cu_seqlens_q", None) is None:
+            raise ValueError(
+                "draft: packed_seq_params with cu_seqlens_q is required (the sample boundaries: "
+                "without them an anchor's window would attend across samples)"
+            )
+        ids_T, layout, pos_T, pad_T = self._rows(
+            input_ids, position_ids, packed_seq_params, padding_mask, None, None
+        )
+        main_TX = self.main_hidden(ids_T, pos_T, layout, pad_T)
+        plan = DraftPlan.build(self.cfg, ids_T, pos_T, layout, anchors, block_ids, pad_T)
+        return self.dspark(main_TX, pos_T, plan, embedding=self.embedding, lm_head=self.lm_head)
+
+    def main_hidden(
+        self,
+        ids_T: torch.Tensor,
+        pos_T: torch.Tensor,
+        layout: RowLayout,
+        pad_T: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """[T, targets x D]: for each `dspark_target_layer_ids` layer, the mean over the mHC
+        streams of its input, concatenated (what the drafter reads); runs the layers up to the
+        last target."""
+        targets = self.cfg.dspark_target_layer_ids
+        captured: dict[int, torch.Tensor] = {}
+        blocks = list(self.layers)[: max(targets) + 1]
+        for block in blocks:
+            block.capture = captured if block.layer_idx in targets else None
+        try:
+            x_TKD = lift_streams(self.embedding(ids_T), self.cfg.hc_mult)
+            pre_TK = torch.zeros(x_TKD.shape[:2], dtype=torch.float32, device=ids_T.device)
+            pre_TK[:, 0] = 1.0
+            shared = self.shared_cache(layout, ids_T.device)
+            self.run_blocks(blocks, x_TKD, pre_TK, shared, ids_T, pos_T, layout, pad_T)
+        finally:
+            for block in blocks:
+                block.capture = None
+        return torch.cat([captured[i] for i in targets], dim=-1)
 
     def _layers(
         self,

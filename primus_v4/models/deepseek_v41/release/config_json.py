@@ -79,11 +79,19 @@ FIXED = {
 }
 # read by parts we do not build (DSpark stages, vision) or by inference only
 PASSED = {
-    "model_type", "max_position_embeddings", "num_nextn_predict_layers", "dspark_block_size",
-    "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
-    "dspark_n_routed_experts", "dspark_num_experts_per_tok", "dtype", "bos_token_id",
-    "eos_token_id", "pad_token_id", "image_token_id", "torch_dtype",
+    "model_type", "max_position_embeddings", "dtype", "bos_token_id", "eos_token_id",
+    "pad_token_id", "image_token_id", "torch_dtype",
 }  # fmt: skip
+# the DSpark draft stages (`mtp.*`; models/deepseek_v41/dspark.py): text_config key -> our field
+DSPARK = {
+    "num_nextn_predict_layers": "dspark_stages",
+    "dspark_block_size": "dspark_block_size",
+    "dspark_noise_token_id": "dspark_noise_token_id",
+    "dspark_target_layer_ids": "dspark_target_layer_ids",
+    "dspark_markov_rank": "dspark_markov_rank",
+    "dspark_n_routed_experts": "dspark_n_routed_experts",
+    "dspark_num_experts_per_tok": "dspark_num_experts_per_tok",
+}
 # keys beside `text_config` in a composite config.json: the vision tower's config and the image
 # placeholder id belong to the vision path (its tensors stay in the release)
 TOP_LEVEL = {
@@ -174,6 +182,8 @@ def fields_from_release(d: dict[str, Any], *, source: str = "config.json") -> di
             values["compress_ratios"] = backbone_ratios(text, source)
         elif key in FIELDS:
             values[FIELDS[key]] = value
+        elif key in DSPARK:
+            values[DSPARK[key]] = value
         elif key == "rope_scaling":
             values.update(_rope_fields(value, source))
         elif key in FIXED:
@@ -211,4 +221,7 @@ def config_to_release(cfg: Any) -> dict[str, Any]:
     out["rope_scaling"] = {"rope_type": "yarn"}
     out["rope_scaling"].update({k: getattr(cfg, f) for k, f in ROPE_FIELDS.items()})
     out.update(FIXED)
+    if cfg.dspark_stages:  # and compress_ratios' tail: one window-only 0 per draft stage
+        out.update({key: getattr(cfg, field) for key, field in DSPARK.items()})
+        out["compress_ratios"] = [*cfg.compress_ratios, *[0] * cfg.dspark_stages]
     return out

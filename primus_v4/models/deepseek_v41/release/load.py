@@ -88,10 +88,11 @@ def load_rank_weights(
     token map (`token_map`, default the release tokenizer's)."""
     del progress
     cfg = model.cfg
-    table = adapter.name_table(cfg)
+    table = adapter.name_table(cfg, drafter=getattr(model, "dspark", None) is not None)
     state = model.state_dict()
+    read = {name for entry in table.values() for name in entry.release}
     with open_release(path) as reader:
-        left = check_release(reader, cfg)
+        left = [name for name in check_release(reader, cfg) if name not in read]
         if left:
             log.info("%s: not part of the text model, left in the release: %s", path,
                      tensors.parts_summary(left))  # fmt: skip
@@ -167,15 +168,17 @@ def load_pretrained(
     progress: bool = True,
     keep_release: bool = False,
     token_map: torch.Tensor | None = None,
+    drafter: bool = False,
 ) -> DeepseekV41Model:
     """The whole V4.1 text model of a release directory, every parameter decoded into `dtype`.
 
     token_map: the Engram token map ([vocab] int64); default: the one of the release's own
     tokenizer (`engram_vocab.token_map_of`, checked against the config's compressed size).
-    keep_release: the FP8 / FP4 weights kept as stored, decoded per use (release/kept_base.py)."""
+    keep_release: the FP8 / FP4 weights kept as stored, decoded per use (release/kept_base.py).
+    drafter: the release's DSpark draft stages (`mtp.*`) too, as `model.dspark` (dspark.py)."""
     cfg = read_config(path)
     with torch.device("meta"):
-        model = DeepseekV41Model(cfg)
+        model = DeepseekV41Model(cfg, drafter=drafter)
     model.to(dtype)  # still on meta: nothing is allocated twice
     _restore_float32(model)
     if keep_release:

@@ -64,7 +64,8 @@ def _e(ours: str, rel: str, shape: tuple[int, ...], kind: str, op: str = "copy")
     return Entry(ours=ours, release=(rel,), op=op, kind=kind, shapes=(shape,))
 
 
-def _attention(o: str, r: str, cfg: DeepseekV41Config, layer: int) -> list[Entry]:
+def _attention(o: str, r: str, cfg: DeepseekV41Config, layer: int | None) -> list[Entry]:
+    """A layer's attention tensors (`layer` None: a DSpark stage's, window only)."""
     d, h, hd, q = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_channels, cfg.q_lora_rank
     g, lo = cfg.o_groups, cfg.o_lora_rank
     out = [
@@ -84,6 +85,8 @@ def _attention(o: str, r: str, cfg: DeepseekV41Config, layer: int) -> list[Entry
         ),
         _e(f"{o}.wo_b.weight", f"{r}.wo_b.weight", (d, g * lo), "fp8"),
     ]
+    if layer is None:
+        return out
     ratio, ih, idim = cfg.compress_ratios[layer], cfg.index_n_heads, cfg.index_head_dim
     if layer in cfg.kv_source_layer_ids:
         c = f"{r}.compressor"
@@ -139,8 +142,7 @@ def _moe(o: str, r: str, cfg: DeepseekV41Config) -> list[Entry]:
     ]
 
 
-def _block(cfg: DeepseekV41Config, layer: int) -> list[Entry]:
-    o, r = f"layers.{layer}", f"layers.{layer}"
+def _mixers_and_norms(o: str, r: str, cfg: DeepseekV41Config) -> list[Entry]:
     d, k = cfg.hidden_size, cfg.hc_mult
     out = [
         _e(f"{o}.attn_norm.weight", f"{r}.attn_norm.weight", (d,), "bf16"),
@@ -152,6 +154,13 @@ def _block(cfg: DeepseekV41Config, layer: int) -> list[Entry]:
             _e(f"{o}.{ours}.bias", f"{r}.{rel}_base", ((2 + k) * k,), "fp32"),
             _e(f"{o}.{ours}.scale", f"{r}.{rel}_scale", (3,), "fp32"),
         ]
+    return out
+
+
+def _block(cfg: DeepseekV41Config, layer: int) -> list[Entry]:
+    o, r = f"layers.{layer}", f"layers.{layer}"
+    d, k = cfg.hidden_size, cfg.hc_mult
+    out = _mixers_and_norms(o, r, cfg)
     out += _attention(f"{o}.attn", f"{r}.attn", cfg, layer)
     out += _moe(f"{o}.moe", f"{r}.ffn", cfg)
     if layer in cfg.engram_layer_ids:
@@ -167,8 +176,38 @@ def _block(cfg: DeepseekV41Config, layer: int) -> list[Entry]:
     return out
 
 
-def name_table(cfg: DeepseekV41Config) -> dict[str, Entry]:
-    """Every tensor of our model's state dict (parameters and persistent buffers) -> its entry."""
+def _dspark_stage(cfg: DeepseekV41Config, stage: int) -> list[Entry]:
+    """One DSpark draft stage (ours `dspark.stages.<k>`, the release's `mtp.<k>`): a window-only
+    layer with its own MoE; stage 0 adds the main projection, the last the final norm and the
+    Markov and confidence heads (models/deepseek_v41/dspark.py)."""
+    from primus_v4.models.deepseek_v41.dspark import stage_config
+
+    o, r = f"dspark.stages.{stage}", f"mtp.{stage}"
+    d, v, rank = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
+    out = _mixers_and_norms(o, r, cfg)
+    out += _attention(f"{o}.attn", f"{r}.attn", cfg, None)
+    out += _moe(f"{o}.moe", f"{r}.ffn", stage_config(cfg))
+    if stage == 0:
+        width = d * len(cfg.dspark_target_layer_ids)
+        out += [
+            _e(f"{o}.main_proj.weight", f"{r}.main_proj.weight", (d, width), "fp8"),
+            _e(f"{o}.main_norm.weight", f"{r}.main_norm.weight", (d,), "bf16"),
+        ]
+    if stage == cfg.dspark_stages - 1:
+        out += [
+            _e(f"{o}.norm.weight", f"{r}.norm.weight", (d,), "bf16"),
+            _e(f"{o}.markov_head.embed.weight", f"{r}.markov_head.embed.weight", (v, rank),
+               "bf16"),
+            _e(f"{o}.markov_head.head.weight", f"{r}.markov_head.head.weight", (v, rank), "bf16"),
+            _e(f"{o}.confidence_head.proj.weight", f"{r}.confidence_head.proj.weight",
+               (1, d + rank), "bf16"),
+        ]  # fmt: skip
+    return out
+
+
+def name_table(cfg: DeepseekV41Config, *, drafter: bool = False) -> dict[str, Entry]:
+    """Every tensor of our model's state dict (parameters and persistent buffers) -> its entry;
+    with `drafter`, the DSpark stages' too."""
     d, v = cfg.hidden_size, cfg.vocab_size
     entries = [
         _e("embedding.weight", "embed.weight", (v, d), "bf16"),
@@ -177,6 +216,9 @@ def name_table(cfg: DeepseekV41Config) -> dict[str, Entry]:
     ]
     for layer in range(cfg.num_layers):
         entries += _block(cfg, layer)
+    if drafter:
+        for stage in range(cfg.dspark_stages):
+            entries += _dspark_stage(cfg, stage)
     return {e.ours: e for e in entries}
 
 
