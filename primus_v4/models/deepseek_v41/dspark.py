@@ -239,24 +239,42 @@ class DSparkDrafter(nn.Module):
         self.cfg = cfg
         self.stages = nn.ModuleList(DSparkStage(cfg, stage=s) for s in range(cfg.dspark_stages))
 
+    def states(
+        self, main_TX: torch.Tensor, main_pos_T: torch.Tensor, plan: DraftPlan, *,
+        embedding_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(collapsed final state [N, D], Markov embedding [N, R], summed MoE balance loss) of
+        the block rows; the heads are `head`'s."""
+        first, last = self.stages[0], self.stages[-1]
+        main_TD = first.main_norm(first.main_proj(main_TX))
+        x_NSD = lift_streams(F.embedding(plan.block_ids_N, embedding_weight), self.cfg.hc_mult)
+        pre_NS = torch.zeros(x_NSD.shape[:2], dtype=torch.float32, device=x_NSD.device)
+        pre_NS[:, 0] = 1.0  # the one-hot pre of the first sub-block
+        aux = x_NSD.new_zeros((), dtype=torch.float32)
+        for stage in self.stages:
+            x_NSD, pre_NS, stage_aux = stage(x_NSD, pre_NS, main_TD=main_TD,
+                                             main_pos_T=main_pos_T, plan=plan)  # fmt: skip
+            aux = aux + stage_aux
+        return last.ffn_mix.collapse(x_NSD, pre_NS), last.markov_head.embed(plan.markov_ids_N), aux
+
+    def head(
+        self, h_ND: torch.Tensor, markov_NR: torch.Tensor, head_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft logits [N, V] float32 with the Markov bias, confidence [N] float32) of rows
+        (any subset: the objective takes them a chunk at a time)."""
+        last = self.stages[-1]
+        logits_NV = F.linear(last.norm(h_ND).float(), head_weight.float())
+        logits_NV = logits_NV + F.linear(markov_NR.float(), last.markov_head.head.weight.float())
+        both = torch.cat((h_ND.float(), markov_NR.float()), -1)
+        return logits_NV, F.linear(both, last.confidence_head.proj.weight.float()).squeeze(-1)
+
     def forward(
         self, main_TX: torch.Tensor, main_pos_T: torch.Tensor, plan: DraftPlan, *,
         embedding: nn.Embedding, lm_head: nn.Linear,
     ) -> DraftOutput:  # fmt: skip
-        first, last = self.stages[0], self.stages[-1]
-        main_TD = first.main_norm(first.main_proj(main_TX))
-        x_NSD = lift_streams(embedding(plan.block_ids_N), self.cfg.hc_mult)
-        pre_NS = torch.zeros(x_NSD.shape[:2], dtype=torch.float32, device=x_NSD.device)
-        pre_NS[:, 0] = 1.0  # the one-hot pre of the first sub-block
-        for stage in self.stages:
-            x_NSD, pre_NS, _ = stage(x_NSD, pre_NS, main_TD=main_TD, main_pos_T=main_pos_T,
-                                     plan=plan)  # fmt: skip
-        h_ND = last.ffn_mix.collapse(x_NSD, pre_NS)
-        logits_NV = F.linear(last.norm(h_ND).float(), lm_head.weight.float())
-        markov_NR = last.markov_head.embed(plan.markov_ids_N)
-        logits_NV = logits_NV + F.linear(markov_NR.float(), last.markov_head.head.weight.float())
-        both = torch.cat((h_ND.float(), markov_NR.float()), -1)
-        conf_N = F.linear(both, last.confidence_head.proj.weight.float()).squeeze(-1)
+        h_ND, markov_NR, _ = self.states(main_TX, main_pos_T, plan,
+                                         embedding_weight=embedding.weight)  # fmt: skip
+        logits_NV, conf_N = self.head(h_ND, markov_NR, lm_head.weight)
         k = plan.anchors_K.numel()
         return DraftOutput(logits=logits_NV.view(k, -1, logits_NV.shape[-1]),
                            confidence=conf_N.view(k, -1))  # fmt: skip

@@ -30,6 +30,13 @@ from primus_v4.models.deepseek_v41.block import Block
 from primus_v4.models.deepseek_v41.compressor import PoolPlan
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
 from primus_v4.models.deepseek_v41.dspark import DraftOutput, DraftPlan, DSparkDrafter
+from primus_v4.models.deepseek_v41.dspark_objective import (
+    DraftTerms,
+    DraftWeights,
+    draft_terms,
+    sample_anchors,
+    slot_targets,
+)
 from primus_v4.models.deepseek_v41.engram import EngramHash
 
 
@@ -182,6 +189,86 @@ class DeepseekV41Model(DeepseekV4Model):
         never padding); `block_ids` [K, B]: the Markov head's inputs (default: the data tokens
         anchors[k] .. anchors[k] + B - 1). The packing metadata is required: without
         cu_seqlens an anchor's window would reach into the sample before it."""
+        self._require_drafter(packed_seq_params)
+        ids_T, layout, pos_T, pad_T = self._rows(
+            input_ids, position_ids, packed_seq_params, padding_mask, None, None
+        )
+        main_TX, _ = self.main_hidden(ids_T, pos_T, layout, pad_T)
+        plan = DraftPlan.build(self.cfg, ids_T, pos_T, layout, anchors, block_ids, pad_T)
+        return self.dspark(main_TX, pos_T, plan, embedding=self.embedding, lm_head=self.lm_head)
+
+    def main_hidden(
+        self,
+        ids_T: torch.Tensor,
+        pos_T: torch.Tensor,
+        layout: RowLayout,
+        pad_T: torch.Tensor | None,
+        *,
+        final: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([T, targets x D]: for each `dspark_target_layer_ids` layer, the mean over the mHC
+        streams of its input, concatenated: what the drafter reads; with `final`, the backbone's
+        final normed states [T, D], else None). Runs the layers up to the last target, or all."""
+        targets = self.cfg.dspark_target_layer_ids
+        captured: dict[int, torch.Tensor] = {}
+        blocks = list(self.layers) if final else list(self.layers)[: max(targets) + 1]
+        for block in blocks:
+            block.capture = captured if block.layer_idx in targets else None
+        try:
+            x_TKD = lift_streams(self.embedding(ids_T), self.cfg.hc_mult)
+            pre_TK = torch.zeros(x_TKD.shape[:2], dtype=torch.float32, device=ids_T.device)
+            pre_TK[:, 0] = 1.0
+            shared = self.shared_cache(layout, ids_T.device)
+            x_TKD, pre_TK, _, _ = self.run_blocks(
+                blocks, x_TKD, pre_TK, shared, ids_T, pos_T, layout, pad_T
+            )
+        finally:
+            for block in blocks:
+                block.capture = None
+        main_TX = torch.cat([captured[i] for i in targets], dim=-1)
+        if not final:
+            return main_TX, None
+        return main_TX, self.final_norm(self.layers[-1].ffn_mix.collapse(x_TKD, pre_TK))
+
+    def draft_objective(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        packed_seq_params: object,
+        labels: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        seed: int = 0,
+        rate: float = 1 / 16,
+        weights: DraftWeights | None = None,
+        chunk: int = 4096,
+    ) -> DraftTerms:
+        """The drafter's training objective and acceptance measures on one packed row
+        (dspark_objective.py): anchors sampled among the supervised rows, the backbone run
+        without gradient (its states and its own next-token distribution are what the drafter
+        learns from); gradients reach only the drafter."""
+        self._require_drafter(packed_seq_params)
+        ids_T, layout, pos_T, pad_T = self._rows(
+            input_ids, position_ids, packed_seq_params, padding_mask, None, None
+        )
+        labels_T = _row(labels, "labels")
+        with torch.no_grad():
+            main_TX, normed_TD = self.main_hidden(ids_T, pos_T, layout, pad_T, final=True)
+        anchors = sample_anchors(ids_T, labels_T, layout, pad_T, seed=seed, rate=rate)
+        weights = weights or DraftWeights()
+        if anchors.numel() == 0:
+            return DraftTerms(objective=main_TX.new_zeros((), dtype=torch.float32))
+        b = self.cfg.dspark_block_size
+        plan = DraftPlan.build(self.cfg, ids_T, pos_T, layout, anchors, None, pad_T)
+        h_ND, markov_NR, _ = self.dspark.states(
+            main_TX, pos_T, plan, embedding_weight=self.embedding.weight.detach()
+        )
+        rows_N, target_N, valid_N = slot_targets(anchors, labels_T, layout, b)
+        return draft_terms(self.dspark, h_ND, markov_NR, normed_TD[rows_N], target_N, valid_N,
+                           head_weight=self.lm_head.weight, block=b, weights=weights,
+                           chunk=chunk)  # fmt: skip
+
+    def _require_drafter(self, packed_seq_params: object) -> None:
         if self.dspark is None:
             raise ConfigError(
                 "draft: this model was built without its DSpark drafter (build it with "
@@ -192,38 +279,6 @@ class DeepseekV41Model(DeepseekV4Model):
                 "draft: packed_seq_params with cu_seqlens_q is required (the sample boundaries: "
                 "without them an anchor's window would attend across samples)"
             )
-        ids_T, layout, pos_T, pad_T = self._rows(
-            input_ids, position_ids, packed_seq_params, padding_mask, None, None
-        )
-        main_TX = self.main_hidden(ids_T, pos_T, layout, pad_T)
-        plan = DraftPlan.build(self.cfg, ids_T, pos_T, layout, anchors, block_ids, pad_T)
-        return self.dspark(main_TX, pos_T, plan, embedding=self.embedding, lm_head=self.lm_head)
-
-    def main_hidden(
-        self,
-        ids_T: torch.Tensor,
-        pos_T: torch.Tensor,
-        layout: RowLayout,
-        pad_T: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """[T, targets x D]: for each `dspark_target_layer_ids` layer, the mean over the mHC
-        streams of its input, concatenated (what the drafter reads); runs the layers up to the
-        last target."""
-        targets = self.cfg.dspark_target_layer_ids
-        captured: dict[int, torch.Tensor] = {}
-        blocks = list(self.layers)[: max(targets) + 1]
-        for block in blocks:
-            block.capture = captured if block.layer_idx in targets else None
-        try:
-            x_TKD = lift_streams(self.embedding(ids_T), self.cfg.hc_mult)
-            pre_TK = torch.zeros(x_TKD.shape[:2], dtype=torch.float32, device=ids_T.device)
-            pre_TK[:, 0] = 1.0
-            shared = self.shared_cache(layout, ids_T.device)
-            self.run_blocks(blocks, x_TKD, pre_TK, shared, ids_T, pos_T, layout, pad_T)
-        finally:
-            for block in blocks:
-                block.capture = None
-        return torch.cat([captured[i] for i in targets], dim=-1)
 
     def _layers(
         self,

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
-from safetensors.torch import load_file
 
 from primus_v4.errors import ConfigError
-from primus_v4.models.deepseek_v41.release.load import load_pretrained, read_config
+from primus_v4.models.deepseek_v41.release.load import read_config
 
 GOLDEN = Path(__file__).resolve().parents[3] / "fixtures" / "dsv41_dspark_golden"
 DOCS = 3
@@ -25,15 +24,14 @@ FRAGILE_TOL = 0.5  # anchors whose routing / top-k flips under a 1e-6 weight cha
 PACKED_TOL = 1e-5  # the same math over other row counts (matrix products round differently)
 
 
-@pytest.fixture(scope="module")
-def golden() -> dict[str, torch.Tensor]:
-    return load_file(GOLDEN / "golden.safetensors")
+@pytest.fixture
+def golden(dspark_golden):
+    return dspark_golden
 
 
-@pytest.fixture(scope="module")
-def model(golden):
-    return load_pretrained(GOLDEN / "checkpoint", dtype=torch.float32, progress=False,
-                           token_map=golden["token_map"], drafter=True)  # fmt: skip
+@pytest.fixture
+def model(dspark_model):
+    return dspark_model
 
 
 def _packed(lengths: list[int], pad: int = 0) -> PackedSeqParams:
