@@ -268,6 +268,19 @@ class DSparkDrafter(nn.Module):
         both = torch.cat((h_ND.float(), markov_NR.float()), -1)
         return logits_NV, F.linear(both, last.confidence_head.proj.weight.float()).squeeze(-1)
 
+    @torch.no_grad()
+    def greedy_chain(self, h_BD: torch.Tensor, first: int, head_weight: torch.Tensor) -> list[int]:
+        """One block's drafts at temperature 0, as a server makes them: slot i's Markov input is
+        the previous slot's own draft (the anchor token for slot 0)."""
+        last = self.stages[-1]
+        base_BV = F.linear(last.norm(h_BD).float(), head_weight.float())
+        chain = [first]
+        for i in range(h_BD.shape[0]):
+            embed_R = last.markov_head.embed.weight[chain[-1]].float()
+            bias_V = F.linear(embed_R, last.markov_head.head.weight.float())
+            chain.append(int((base_BV[i] + bias_V).argmax()))
+        return chain[1:]
+
     def forward(
         self, main_TX: torch.Tensor, main_pos_T: torch.Tensor, plan: DraftPlan, *,
         embedding: nn.Embedding, lm_head: nn.Linear,

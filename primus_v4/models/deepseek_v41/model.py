@@ -15,6 +15,7 @@ look-back (`EngramHash.row_ids`). Padding rows get no Engram write and are never
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -84,6 +85,35 @@ class EngramRows(nn.Module):
 
     def forward(self, ids_T: torch.Tensor, seq_start_T: torch.Tensor) -> torch.Tensor:
         return self.hash.row_ids(ids_T, self.token_map, seq_start_T)
+
+
+@dataclass
+class SpecResult:
+    """One prompt's greedy speculative decoding: the generated tokens and, per round, how many
+    of the drafter's block the backbone accepted."""
+
+    tokens: list[int]
+    accepted: list[int]
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted draft tokens per block."""
+        return sum(self.accepted) / max(len(self.accepted), 1)
+
+    @property
+    def draft_share(self) -> float:
+        """The share of the generated tokens the drafter proposed (and the backbone kept)."""
+        return min(sum(self.accepted), len(self.tokens)) / max(len(self.tokens), 1)
+
+
+def _one_sample(n: int, device: torch.device) -> object:
+    from primus_v4.mcore import megatron_import
+
+    with megatron_import():
+        from megatron.core.packed_seq_params import PackedSeqParams
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n,
+                           max_seqlen_kv=n)  # fmt: skip
 
 
 class DeepseekV41Model(DeepseekV4Model):
@@ -267,6 +297,39 @@ class DeepseekV41Model(DeepseekV4Model):
         return draft_terms(self.dspark, h_ND, markov_NR, normed_TD[rows_N], target_N, valid_N,
                            head_weight=self.lm_head.weight, block=b, weights=weights,
                            chunk=chunk)  # fmt: skip
+
+    @torch.no_grad()
+    def speculative_decode(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> SpecResult:
+        """Greedy speculative decoding of one prompt with the DSpark drafter, as a server runs
+        it: the backbone generates greedily; each round the drafter proposes a block after the
+        last token (its own argmax chain feeding the Markov head), the backbone verifies it in
+        one pass, the longest matching prefix is kept and the backbone's next token added. The
+        text is the backbone's own greedy continuation (speculation is lossless); the accepted
+        lengths measure the drafter."""
+        tokens = [int(t) for t in torch.as_tensor(prompt_ids).flatten()]
+        if len(tokens) < 2:
+            raise ValueError("speculative_decode: the prompt needs at least 2 tokens")
+        b, start, accepted = self.cfg.dspark_block_size, len(tokens), []
+        while len(tokens) - start < max_new_tokens:
+            ids = torch.tensor(tokens, device=self.embedding.weight.device)
+            psp = _one_sample(len(tokens), ids.device)
+            a = len(tokens) - 1
+            ids_T, layout, pos_T, _ = self._rows(ids[None], None, psp, None, None, None)
+            main_TX, _ = self.main_hidden(ids_T, pos_T, layout, None)
+            plan = DraftPlan.build(self.cfg, ids_T, pos_T, layout, [a])
+            h_ND, _, _ = self.dspark.states(main_TX, pos_T, plan,
+                                            embedding_weight=self.embedding.weight)  # fmt: skip
+            drafts = self.dspark.greedy_chain(h_ND, tokens[a], self.lm_head.weight)
+            check = torch.tensor(tokens + drafts, device=ids.device)
+            verdict = self(check[None], packed_seq_params=_one_sample(len(check), ids.device))
+            greedy = verdict.logits[0, a:].argmax(-1).tolist()  # the backbone after a, a+1, ...
+            n = 0
+            while n < b and drafts[n] == greedy[n]:
+                n += 1
+            accepted.append(n)
+            tokens += [*drafts[:n], greedy[n]]
+        generated = tokens[start : start + max_new_tokens]
+        return SpecResult(tokens=generated, accepted=accepted)
 
     def _require_drafter(self, packed_seq_params: object) -> None:
         if self.dspark is None:

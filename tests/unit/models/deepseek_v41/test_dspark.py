@@ -164,3 +164,39 @@ def test_the_dspark_keys_round_trip_through_config_json() -> None:
     assert {k: v for k, v in back.items() if k.startswith("dspark")} == {
         f: getattr(cfg, f) for f in config_json.DSPARK.values()
     }
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    """The backbone's plain greedy continuation (one full forward per token)."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.tensor(tokens)
+            tokens.append(
+                int(model(ids[None], packed_seq_params=_packed([len(ids)])).logits[0, -1].argmax())
+            )
+    return tokens[len(prompt) :]
+
+
+def test_speculative_decoding_is_the_backbones_greedy_text(model, golden, monkeypatch) -> None:
+    prompt = golden["doc1.input_ids"][:20].tolist()
+    b = model.cfg.dspark_block_size
+    spec = model.speculative_decode(torch.tensor(prompt), max_new_tokens=12)
+    want = _greedy(model, prompt, 12)
+    assert spec.tokens == want  # lossless whatever the drafter proposes
+    assert spec.accepted and all(0 <= n <= b for n in spec.accepted)
+    assert len(spec.accepted) + sum(spec.accepted) >= 12
+    print(f"released drafter: accepted {spec.accepted}, mean {spec.mean_accepted:.2f}")
+    # a drafter that proposes the backbone's own continuation: every block is accepted whole
+    oracle = _greedy(model, prompt, 12 + 2 * b)
+
+    rounds = iter(range(100))
+
+    def perfect(h, first, head_weight):  # round r starts after r whole blocks and their bonus
+        r = next(rounds)
+        return oracle[r * (b + 1) : r * (b + 1) + b]
+
+    monkeypatch.setattr(model.dspark, "greedy_chain", perfect)
+    ideal = model.speculative_decode(torch.tensor(prompt), max_new_tokens=12)
+    assert ideal.tokens == want and ideal.accepted == [b, b]
+    assert ideal.mean_accepted == b and ideal.draft_share == pytest.approx(2 * b / 12)
