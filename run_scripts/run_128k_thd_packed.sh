@@ -10,6 +10,8 @@
 # How long: the dry run takes seconds; a real run builds the 128k packs once per node, then runs
 # TRAIN_STEPS steps (10 by default); its step time is not measured yet.
 set -euo pipefail
+# shellcheck source=lib/int_knobs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/int_knobs.sh" # integer knobs checked before any arithmetic
 export PRIMUS_RECIPE="${PRIMUS_RECIPE:-$0}"
 
 export NNODES="${NNODES:-1}"

@@ -8,6 +8,8 @@
 #   DRY_RUN=1 MASTER_ADDR=x NODE_RANK=0 bash run_scripts/run_full_128k_thd_multinode.sh
 # How long: as the 4k recipes plus a longer pack build; the 128k step time is not measured yet.
 set -euo pipefail
+# shellcheck source=lib/int_knobs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/int_knobs.sh" # integer knobs checked before any arithmetic
 export PRIMUS_RECIPE="${PRIMUS_RECIPE:-$0}"
 
 export PRIMUS_SEQ_LENGTH="${PRIMUS_SEQ_LENGTH:-131072}"

@@ -12,6 +12,8 @@
 # measured yet (see README_thd_packed.md, Results).
 # Every knob below is ${VAR:-default}: export it (or prefix it) to change it.
 set -euo pipefail
+# shellcheck source=lib/int_knobs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/int_knobs.sh" # integer knobs checked before any arithmetic
 # shellcheck source=lib/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 

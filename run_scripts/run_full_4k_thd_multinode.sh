@@ -8,6 +8,8 @@
 # How long: as the base recipe, plus a one-time pack build per node (seconds to minutes with the
 # corpus size; later runs load the node-local cache).
 set -euo pipefail
+# shellcheck source=lib/int_knobs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/int_knobs.sh" # integer knobs checked before any arithmetic
 export PRIMUS_RECIPE="${PRIMUS_RECIPE:-$0}"
 
 export PRIMUS_DATA_LAYOUT="${PRIMUS_DATA_LAYOUT:-thd}"

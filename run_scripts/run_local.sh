@@ -10,6 +10,8 @@
 #   DRY_RUN=1 bash run_scripts/run_local.sh                    # validate, print JSON + command
 # Knobs left empty keep the config file's value.
 set -euo pipefail
+# shellcheck source=lib/int_knobs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/int_knobs.sh" # integer knobs checked before any arithmetic
 # shellcheck source=lib/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 

@@ -11,6 +11,8 @@
 #   DRY_RUN=1 bash run_scripts/run_lora_flash_1node.sh      # validate, print the memory plan
 # How long: the dry run takes seconds; the step time is not measured yet.
 set -euo pipefail
+# shellcheck source=lib/int_knobs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/int_knobs.sh" # integer knobs checked before any arithmetic
 export PRIMUS_RECIPE="${PRIMUS_RECIPE:-$0}"
 
 export NNODES="${NNODES:-1}"

@@ -11,6 +11,8 @@
 #   DRY_RUN=1 bash run_scripts/run_v41_flash_lora_1node.sh      # validate, print the memory plan
 # How long: the dry run takes about a minute; the step time is not measured yet.
 set -euo pipefail
+# shellcheck source=lib/int_knobs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/int_knobs.sh" # integer knobs checked before any arithmetic
 export PRIMUS_RECIPE="${PRIMUS_RECIPE:-$0}"
 export PRIMUS_RELEASE_EXAMPLE="${PRIMUS_RELEASE_EXAMPLE:-/apps/DeepSeek-V4.1-Flash}"
 export PRIMUS_TOKENIZER_PROBE_DIRS="${PRIMUS_TOKENIZER_PROBE_DIRS:-/apps/DeepSeek-V4.1-Flash:/models/DeepSeek-V4.1-Flash}"

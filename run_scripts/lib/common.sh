@@ -16,6 +16,9 @@ PRIMUS_PYTHON="${PRIMUS_PYTHON:-python3}"
 PRIMUS_TORCHRUN="${PRIMUS_TORCHRUN:-}"
 # The --set overrides handed to the trainer, built up by primus_add_set.
 PRIMUS_SETS=()
+# Integer knobs of the environment checked before any arithmetic (a launcher sourcing only this).
+# shellcheck source=int_knobs.sh
+source "${PRIMUS_REPO_ROOT}/run_scripts/lib/int_knobs.sh"
 # The rendezvous flags, elastic restarts, the scheduler mappings and the per-node pack build.
 # shellcheck source=launch.sh
 source "${PRIMUS_REPO_ROOT}/run_scripts/lib/launch.sh"
