@@ -35,6 +35,14 @@ SIZE_BOUNDS = {
     "index_topk_chunk": 1 << 20, "attn_sliding_window": 1 << 20, "hc_mult": 64,
     "hc_sinkhorn_iters": 1 << 12, "num_hash_layers": 1024, "mtp_num_layers": 64,
     "ce_chunk_size": 1 << 22, "original_max_position_embeddings": 1 << 26,
+    # DeepSeek-V4.1 (Flash: Engram tables of ~384M rows x 256, 16M hash buckets, 8 heads;
+    # candidate blocks 2048 x 8; DSpark 3 stages, block 5, 128 experts, Markov rank 256)
+    "engram_num_embeddings": 1 << 33, "engram_vocab_size": 1 << 28, "engram_n_heads": 256,
+    "engram_head_dim": 1 << 13, "engram_max_ngram_size": 64,
+    "engram_compressed_vocab_size": 1 << 22, "candidate_topk_blocks": 1 << 20,
+    "candidate_block_size": 1 << 12, "dspark_stages": 64, "dspark_block_size": 1024,
+    "dspark_markov_rank": 1 << 13, "dspark_n_routed_experts": 1 << 13,
+    "dspark_num_experts_per_tok": 1 << 13,
 }  # fmt: skip
 
 
@@ -45,6 +53,8 @@ def check_sizes(
     names (a release's config.json keys), before any of them is used."""
     for field_name, bound in SIZE_BOUNDS.items():
         value = values.get(field_name)
+        if isinstance(value, list):  # one size per layer (Engram tables): the largest
+            value = max((v for v in value if isinstance(v, int)), default=None)
         if isinstance(value, int) and not isinstance(value, bool) and value > bound:
             name = (names or {}).get(field_name, field_name)
             raise ConfigError(

@@ -186,3 +186,26 @@ def test_a_bad_tail_in_a_preset_release_is_a_config_error(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match=r"compress_ratios\[9\] = 2") as err:
         DeepseekV41Geometry.release_fields(tmp_path / "config.json")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("engram_num_embeddings", [10**11, 864]), ("engram_vocab_size", 10**12),
+     ("dspark_block_size", 10**6), ("candidate_topk_blocks", 10**9)],
+)  # fmt: skip
+def test_a_huge_size_in_a_release_is_refused_by_the_dry_run(tmp_path: Path, capsys, key, value):
+    """Before anything is packed or allocated (a 1e11-row Engram table would be 6.4 TB)."""
+    from primus_v4.cli import main
+
+    release = tmp_path / "big"
+    release.mkdir()
+    config = _config()
+    config["text_config"][key] = value
+    (release / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "o"
+    code = main(["train", "--dry-run", "--set", "model.preset=null", "--set",
+                 f"model.pretrained={release}", "--set", f"output.dir={out}"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "\n" not in err, err
+    shown = max(value) if isinstance(value, list) else value
+    assert f"{key}={shown} is above its bound" in err, err
