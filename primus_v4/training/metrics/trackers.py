@@ -200,7 +200,12 @@ def _previous_run_id(out_dir: Path, name: str) -> str | None:
     except (OSError, ValueError) as exc:
         log.warning("%s: unreadable (%s); the tracker starts a new run", path, exc)
         return None
-    return saved.get("id") if saved.get("tracker") == name else None
+    run_id = saved.get("id") if isinstance(saved, dict) else None
+    if not isinstance(saved, dict) or not isinstance(run_id, str | None):
+        log.warning("%s: not a tracker record ({\"tracker\": ..., \"id\": \"...\"}, got %s); "
+                    "the tracker starts a new run", path, type(saved).__name__)  # fmt: skip
+        return None
+    return run_id if saved.get("tracker") == name else None
 
 
 def open_tracker(cfg: RunConfig, out_dir: Path, *, resume: bool = False) -> Tracker | None:

@@ -150,3 +150,14 @@ def test_a_resumed_run_continues_its_tracker_run(tmp_path: Path, tracker: str) -
         (run,) = client.search_runs([client.get_experiment_by_name("primus_v4").experiment_id])
         assert run.info.run_id == first["id"] and run.info.status == "FINISHED"
         assert [m.step for m in client.get_metric_history(first["id"], "loss")] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "42", '"wandb"', '{"tracker": "wandb", "id": 7}'])
+def test_a_tracker_record_that_is_not_one_starts_a_new_run(tmp_path: Path, text: str) -> None:
+    """Valid JSON of another shape is named in one warning, not a crash on every resume."""
+    from faults import captured_logs
+
+    (tmp_path / trackers.RUN_ID_FILE).write_text(text)
+    with captured_logs() as logs:
+        assert trackers._previous_run_id(tmp_path, "wandb") is None
+    assert any(f"{tmp_path / trackers.RUN_ID_FILE}: not a tracker record" in m for m in logs), logs
