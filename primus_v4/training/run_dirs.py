@@ -131,6 +131,12 @@ def refuse_link(path: Path, what: str) -> None:
                         "remove it if it is not yours")  # fmt: skip
 
 
+def _live_here(holder: dict[str, Any] | None) -> bool:
+    """The holder is a process of this host that still runs (never to be waited out)."""
+    here = (holder or {}).get("host") in (None, socket.gethostname())
+    return here and bool(holder) and _running(holder or {})
+
+
 def _read_holder(fd: int) -> dict[str, Any] | None:
     os.lseek(fd, 0, os.SEEK_SET)
     raw = os.read(fd, 4096)
@@ -234,7 +240,8 @@ def _open_locked(what: str, path: Path) -> int | None:
             os.close(fd)
             raise
         holder = _read_holder(fd)
-        if not (_earlier_attempt(holder) and _wait_for_earlier_attempt(what, path, fd, holder)):
+        if not (_earlier_attempt(holder) and not _live_here(holder)
+                and _wait_for_earlier_attempt(what, path, fd, holder)):  # fmt: skip
             os.close(fd)
             raise _in_use(what, path.parent, holder) from None
     try:
@@ -286,7 +293,12 @@ def lock_problem(what: str, directory: Path) -> PrimusError | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            return _in_use(what, directory, _read_holder(fd))
+            holder = _read_holder(fd)
+            # an earlier attempt of this job (a SLURM requeue revalidating): the run itself
+            # waits for its flock (LOCK_WAIT_S) and decides; a dry run changes nothing
+            if _earlier_attempt(holder) and not _live_here(holder):
+                return None
+            return _in_use(what, directory, holder)
         return _problem(what, directory, fd)[0]
     finally:
         os.close(fd)

@@ -108,6 +108,7 @@ def test_a_held_flock_is_never_taken_on_the_run_id_word(
     held = os.open(lock, os.O_RDWR)
     fcntl.flock(held, fcntl.LOCK_EX)
     try:
+        run_dirs.check(cfg)  # a dry run (a requeued job revalidating) leaves it to the run
         with captured_logs() as logs, pytest.raises(ResumeError) as err, run_dirs.claim(cfg):
             pass
     finally:
@@ -131,6 +132,8 @@ def test_a_live_run_on_this_host_is_refused_to_a_same_id_relaunch(
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
         with pytest.raises(PathError, match=rf"pid {os.getpid()} on host"), run_dirs.claim(cfg):
             pass
+        with pytest.raises(PathError, match=rf"pid {os.getpid()} on host"):
+            run_dirs.check(cfg)  # the dry run too: the holder runs here
         assert (tmp_path / "ck" / run_dirs.LOCK_FILE).read_bytes() == first
     live = subprocess.Popen(["sleep", "30"])
     try:
