@@ -246,6 +246,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return _build(hint, value, key)
     if origin is Literal:
         choices = typing.get_args(hint)
+        if isinstance(value, bool) and ("on" if value else "off") in choices:
+            return "on" if value else "off"  # YAML 1.1 reads a bare off / on as a boolean
         if value not in choices:
             raise ConfigError(f"{key}: must be one of {list(choices)}, got {value!r}")
         return value

@@ -191,6 +191,7 @@ def model_config(cfg: RunConfig, *, geometry: bool = False) -> Any:
         overrides.setdefault("ce_chunk_size", cfg.data.seq_length)
     overrides.setdefault("lm_head_rows", cfg.model.lm_head_rows)
     _recompute_overrides(cfg, overrides)
+    _draft_overrides(cfg, overrides)
     if cfg.model.dtype == "bfloat16" and not light:  # the geometry holds no dtype
         import torch
 
@@ -234,6 +235,54 @@ def _recompute_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
         overrides.setdefault("recompute_num_layers", 1)
     elif cfg.model.recompute_modules is not None:
         overrides["recompute_modules"] = list(cfg.model.recompute_modules)
+
+
+def _draft_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
+    """`model.draft` as the model config's `dspark_*` training fields (set only when the drafter
+    trains, so a family without a drafter is refused by `check_draft` in words)."""
+    draft = cfg.model.draft
+    if draft.train == "off":
+        return
+    overrides.update(
+        dspark_train=draft.train,
+        dspark_loss_weight=draft.weight,
+        dspark_anchor_rate=draft.anchor_rate,
+        dspark_anchor_seed=cfg.train.seed,
+        dspark_kl_weight=draft.kl,
+        dspark_confidence_weight=draft.confidence,
+        dspark_decay=draft.decay,
+    )
+
+
+def check_draft(cfg: RunConfig, sizes: ParallelDims, family: str, model: Any = None) -> None:
+    """`model.draft.train` joint / only: a family with a drafter to train, packed rows, one
+    pipeline stage, context and expert rank (those axes come later); data parallel works."""
+    train = cfg.model.draft.train
+    if train == "off":
+        return
+    where = f"model.draft.train={train}"
+    if family != "deepseek_v41":
+        carried = model is not None and getattr(model, "dspark", None)
+        why = (
+            "DeepSeek-V4-Flash-0731's DSpark stages (markov_head.markov_w1/w2, hc_head_fn) have "
+            "no public reference to train them against: they are carried byte for byte"
+            if carried
+            else f"the {family} family has no DSpark drafter (DeepSeek-V4.1's)"
+        )
+        raise ConfigError(f"{where}: {why}; set model.draft.train=off")
+    if not cfg.packed:
+        raise ConfigError(
+            f"{where} needs data.layout=thd: the drafter reads the sample boundaries "
+            "(cu_seqlens) of packed rows"
+        )
+    axes = {"pp": sizes.pp, "cp": sizes.cp, "ep": sizes.ep}
+    over = {k: v for k, v in axes.items() if v > 1}
+    if over:
+        named = ", ".join(f"parallel.{k}={v}" for k, v in over.items())
+        raise ConfigError(
+            f"{where} runs with data parallelism only for now ({named}); set those to 1 or "
+            "model.draft.train=off"
+        )
 
 
 def pretrained_model_config(spec: ModelSpec, directory: str, overrides: dict[str, Any]) -> Any:
@@ -418,6 +467,13 @@ def resolve_run(cfg: RunConfig, world: int | None = None, *, geometry: bool = Fa
     builds no model (`train --dry-run` without a memory plan)."""
     check_lora_base(cfg)
     sizes = parallel_sizes(cfg, world_size_from_env() if world is None else world)
+    if cfg.model.draft.train != "off":  # in words, before a family's config refuses the field
+        family = model_family(cfg)
+        release = None
+        if family != "deepseek_v41":
+            release = model_config(dataclasses.replace(cfg, model=dataclasses.replace(
+                cfg.model, draft=type(cfg.model.draft)())), geometry=geometry)  # fmt: skip
+        check_draft(cfg, sizes, family, release)
     model = model_config(cfg, geometry=geometry)
     _say_what_model(cfg, model)
     check_model_fits(cfg, sizes, model)

@@ -197,6 +197,38 @@ class EngramConfig:
 
 
 @dataclass(kw_only=True)
+class DraftConfig:
+    """Training DeepSeek-V4.1's DSpark drafter, the release's speculative-decoding draft
+    stages (`mtp.*`; other families have none to train)."""
+
+    train: Literal["off", "joint", "only"] = "off"
+    """`off`: the drafter is carried byte for byte, as released; `joint`: the SFT step also
+    trains it (its own loss, logged apart; its gradients reach only the drafter); `only`: the
+    backbone is frozen (forward only: no gradients, optimizer state or checkpoint bytes) and
+    the drafter trains, e.g. to refresh it after a fine-tune."""
+    weight: float = 1.0
+    """Weight of the draft objective (a mean over the step's draft target slots) in the loss."""
+    anchor_rate: float = 0.0625
+    """Share of the supervised rows that anchor a draft block (chosen by a hash of each
+    sample's own tokens under train.seed: the same however the samples are packed)."""
+    kl: float = 1.0
+    """Weight of KL(backbone || draft) beside the cross entropy to the data token (weight 1)."""
+    confidence: float = 0.1
+    """Weight of the confidence head's loss against the greedy acceptance it predicts."""
+    decay: float = 1.0
+    """Slot i of a block weighs decay**i (later slots count less below 1)."""
+
+    def __post_init__(self) -> None:
+        _require(self.weight > 0, "model.draft.weight", f"must be > 0, got {self.weight}")
+        _require(0 < self.anchor_rate <= 1, "model.draft.anchor_rate",
+                 f"must be in (0, 1], got {self.anchor_rate}")  # fmt: skip
+        _require(0 < self.decay <= 1, "model.draft.decay", f"must be in (0, 1], got {self.decay}")
+        for key in ("kl", "confidence"):
+            value = getattr(self, key)
+            _require(value >= 0, f"model.draft.{key}", f"must be >= 0, got {value}")
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     """Which model to build."""
 
@@ -233,6 +265,9 @@ class ModelConfig:
     `moe` (the whole MoE); None = [layernorm, mla_up_proj, core_attn]."""
     engram: EngramConfig = field(default_factory=EngramConfig)
     """DeepSeek-V4.1's Engram tables: frozen or trainable, and where they are held."""
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    """DeepSeek-V4.1's DSpark drafter: carried (off), trained with the fine-tune (joint) or
+    alone on a frozen backbone (only)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA fine-tuning (model.lora.rank > 0): adapters on the named modules, the base frozen;
     only adapters get gradients, optimizer state and checkpoint bytes."""
@@ -255,6 +290,12 @@ class ModelConfig:
             f"true with model.lora.rank={self.lora.rank}: LoRA freezes the base, Engram tables "
             "included; train adapters (model.lora.targets may name engram.wkv) or the tables, "
             "not both",
+        )
+        _require(
+            self.draft.train == "off" or self.lora.rank == 0,
+            "model.draft.train",
+            f"{self.draft.train} with model.lora.rank={self.lora.rank}: a LoRA run carries the "
+            "drafter as released; train it in full (joint) or alone (only) without adapters",
         )
 
 

@@ -116,7 +116,10 @@ class TokenCounts:
     samples: int = 0
     """Samples of the global batch: the MoE balance loss is a mean over them (CP ranks each
     count the whole pack, matching the replicated balance loss each of them adds)."""
+    draft: int = 0
+    """Draft target slots of the global batch (a drafter in training: the draft loss's
+    denominator; 0 otherwise)."""
 
     def as_tensor(self) -> torch.Tensor:
-        values = [self.supervised, *self.mtp, self.real, self.total, self.samples]
+        values = [self.supervised, *self.mtp, self.real, self.total, self.samples, self.draft]
         return torch.tensor(values, dtype=torch.int64)

@@ -76,6 +76,7 @@ def reduce_counts(counts: TokenCounts, group: Any = None) -> TokenCounts:
         real=values[1 + depths],
         total=values[2 + depths],
         samples=values[3 + depths],
+        draft=values[4 + depths],
     )
 
 
@@ -91,6 +92,9 @@ class StepLoss:
     loss_sum: float = 0.0
     mtp_sums: list[float] = field(default_factory=list)
     aux_sum: float = 0.0
+    draft_sums: list[float] = field(default_factory=list)
+    """A drafter's summed measures (the model output's `draft.sums()`), empty without one."""
+    _draft_report: Any = None
 
     def objective(self, out: Any, *, samples: int | float | torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the step loss (backward this).
@@ -114,23 +118,34 @@ class StepLoss:
             weighted = aux * samples
             total = total + weighted / max(self.counts.samples, 1)
             self.aux_sum += float(weighted.detach())
+        draft = getattr(out, "draft", None)
+        if draft is not None:  # the draft objective, a mean over the step's target slots
+            total = total + draft.objective / max(self.counts.draft, 1)
+            values = draft.sums()
+            old = self.draft_sums or [0.0] * len(values)
+            self.draft_sums = [a + b for a, b in zip(old, values, strict=True)]
+            self._draft_report = draft.report
         self.loss_sum += float(out.loss_sum.detach())
         return total * self.grad_scale
 
     def reported(self, group: Any = None) -> dict[str, float]:
         """loss (token mean), mtp_loss (mean over depths of token means), aux_loss (mean over
         samples); sums are first added up over `group` (the ranks that share counts)."""
-        sums = [self.loss_sum, self.aux_sum, *self.mtp_sums]
+        depths = len(self.mtp_sums)
+        sums = [self.loss_sum, self.aux_sum, *self.mtp_sums, *self.draft_sums]
         if group is not None:
             import torch.distributed as dist
 
             packed = torch.tensor(sums, dtype=torch.float64, device=_comm_device(group))
             dist.all_reduce(packed, group=group)
             sums = packed.tolist()
-        loss_sum, aux_sum, mtp_sums = sums[0], sums[1], sums[2:]
+        loss_sum, aux_sum, mtp_sums = sums[0], sums[1], sums[2 : 2 + depths]
         mtp = [s / max(c, 1) for s, c in zip(mtp_sums, self.counts.mtp, strict=False)]
-        return {
+        out: dict[str, Any] = {
             "loss": loss_sum / max(self.counts.supervised, 1),
             "mtp_loss": sum(mtp) / len(mtp) if mtp else 0.0,
             "aux_loss": aux_sum / max(self.counts.samples, 1),
         }
+        if self._draft_report is not None:
+            out.update(self._draft_report(sums[2 + depths :]))
+        return out

@@ -338,7 +338,10 @@ class Trainer:
         # Not torch's clip_grad_norm_: gradients are sharded over replicas, split over stages and
         # expert shards, and its float32 norm of the [vocab, hidden] embedding gradient is off by
         # ~1e-4 relative, more than the parity tests allow between layouts (float64 here).
-        return self.optimizer.clip_grad_norm(self.cfg.train.clip_grad or math.inf)
+        # A part the model trains beside itself (a drafter) is clipped on its own norm:
+        # `clip_apart` {parameter name prefix: the metric stem of its norm}.
+        apart = tuple(getattr(self.model, "clip_apart", {}))
+        return self.optimizer.clip_grad_norm(self.cfg.train.clip_grad or math.inf, apart=apart)
 
     def train_step(self, step: int) -> StepMetrics:
         start = time.perf_counter()
@@ -348,7 +351,11 @@ class Trainer:
         grad_norm = self._clip()
         lr = float(self.optimizer.param_groups[0]["lr"])
         losses = step_loss.reported(group=self.runtime.count_group)
-        finite = all(math.isfinite(v) for v in (*losses.values(), grad_norm))
+        stems = getattr(self.model, "clip_apart", {})
+        for prefix, norm in getattr(self.optimizer, "apart_norms", {}).items():
+            losses[f"{stems[prefix]}_grad_norm"] = norm
+        scalars = [v for v in losses.values() if not isinstance(v, list)]
+        finite = all(math.isfinite(v) for v in (*scalars, grad_norm))
         if finite:
             self.optimizer.step()
             self.scheduler.step()

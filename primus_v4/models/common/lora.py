@@ -280,7 +280,7 @@ def apply_lora(
             layer.attn.wo_a_lora = GroupedLoRA(layer.attn, spec)
         if kinds:
             layer.moe.expert_lora = ExpertAdapters(layer.moe, spec, kinds)
-    model.adapters_only = True  # checkpoints hold the adapters (and buffers), not the base
+    model.checkpoint_trainable_only = True  # checkpoints hold the adapters and buffers
     added = 0
     for name, module in model.named_modules():
         if isinstance(module, (LoRALinear, GroupedLoRA, ExpertAdapters)):

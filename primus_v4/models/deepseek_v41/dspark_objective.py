@@ -58,6 +58,8 @@ class DraftTerms:
     """Sums over the target slots of one pack (floats detached; `objective` carries the graph)."""
 
     objective: torch.Tensor
+    loss_sum: float = 0.0
+    """The objective's value (ce + kl + confidence terms, before the run's loss weight)."""
     ce_sum: float = 0.0
     kl_sum: float = 0.0
     confidence_sum: float = 0.0
@@ -71,6 +73,31 @@ class DraftTerms:
     def tau(self) -> float:
         """Mean accepted prefix length per anchor (greedy, teacher forced)."""
         return self.tau_sum / max(self.anchors, 1)
+
+    def sums(self) -> list[float]:
+        """What adds up over packs and ranks (`report` reads it back): the loss, ce, kl and
+        confidence sums, slots, tau sum, anchors, then per slot accepted, then targets."""
+        head = [self.loss_sum, self.ce_sum, self.kl_sum, self.confidence_sum, self.slots,
+                self.tau_sum, self.anchors]  # fmt: skip
+        return [float(v) for v in (*head, *self.accepted_B, *self.targets_B)]
+
+    @staticmethod
+    def report(sums: list[float]) -> dict[str, float | list[float]]:
+        """Metrics of summed `sums`: per-slot means of the objective and its terms, the
+        expected accepted length per block (tau) and each slot's greedy acceptance rate (of the
+        anchors whose block reaches that slot)."""
+        loss, ce, kl, conf, slots, tau, anchors = sums[:7]
+        block = (len(sums) - 7) // 2
+        accepted, targets = sums[7 : 7 + block], sums[7 + block :]
+        per = max(slots, 1)
+        return {
+            "draft_loss": loss / per,
+            "draft_ce": ce / per,
+            "draft_kl": kl / per,
+            "draft_confidence": conf / per,
+            "draft_tau": tau / max(anchors, 1),
+            "draft_accept": [a / max(t, 1) for a, t in zip(accepted, targets, strict=True)],
+        }
 
 
 def _mix(x: torch.Tensor, salt: int) -> torch.Tensor:
@@ -104,6 +131,23 @@ def sample_anchors(
     h = _mix(h ^ prev_T.long(), 0x68E31DA4)
     ok &= h < int(rate * _MASK)
     return torch.nonzero(ok).flatten()
+
+
+def count_slots(
+    ids_T: torch.Tensor,
+    targets_T: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    pad_T: torch.Tensor | None,
+    *,
+    seed: int,
+    rate: float,
+    block: int,
+) -> int:
+    """The target slots of a whole pack's anchors (the draft loss's denominator, counted before
+    the forward like the main loss's supervised tokens); `targets_T` IGNORE where unsupervised."""
+    layout = RowLayout.from_cu_seqlens(cu_seqlens, local_rows=ids_T.shape[0])
+    anchors = sample_anchors(ids_T, targets_T, layout, pad_T, seed=seed, rate=rate)
+    return int(slot_targets(anchors, targets_T, layout, block)[2].sum())
 
 
 def slot_targets(
@@ -188,6 +232,7 @@ def draft_terms(
     anchors = int(valid_KB[:, 0].sum())
     return DraftTerms(
         objective=objective,
+        loss_sum=float(objective.detach()),
         ce_sum=ce,
         kl_sum=kl,
         confidence_sum=float(bce.detach()),

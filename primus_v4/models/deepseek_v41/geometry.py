@@ -77,6 +77,24 @@ class DeepseekV41Fields(DeepseekV4Fields):
     """Routed experts of each draft stage's own MoE."""
     dspark_num_experts_per_tok: int = 0
     """Experts each draft token is routed to."""
+    dspark_train: str = "off"
+    """Whether a run trains the drafter (the run's `model.draft.train`): `off` (not built; the
+    release's `mtp.*` are carried byte for byte), `joint` (built and trained beside the
+    backbone), `only` (built and trained; the backbone frozen, forward only). A training
+    field: never in config.json."""
+    dspark_loss_weight: float = 1.0
+    """Weight of the draft objective (a mean over the step's draft target slots) in the step's
+    loss (`model.draft.weight`)."""
+    dspark_anchor_rate: float = 0.0625
+    """Share of the supervised rows that anchor a draft block (`model.draft.anchor_rate`)."""
+    dspark_anchor_seed: int = 0
+    """Seed of the anchor hash (the run's `train.seed`)."""
+    dspark_kl_weight: float = 1.0
+    """Weight of KL(backbone || draft) beside the cross entropy to the data token (weight 1)."""
+    dspark_confidence_weight: float = 0.1
+    """Weight of the confidence head's binary cross entropy against greedy acceptance."""
+    dspark_decay: float = 1.0
+    """Slot i of a block weighs decay**i (later slots count less below 1)."""
     activation_fake_quant: bool = False
     """Simulate the release's inference activation quantization (window KV FP8 per 32 values,
     compressed KV FP4 per 16 with e4m3 scales, indexer q/k FP4 per 32; straight-through
@@ -132,6 +150,21 @@ class DeepseekV41Fields(DeepseekV4Fields):
             raise ConfigError("candidate_topk_blocks and candidate_block_size must be >= 1")
 
     def _validate_dspark(self) -> None:
+        if self.dspark_train not in ("off", "joint", "only"):
+            raise ConfigError(f"dspark_train must be off, joint or only, got {self.dspark_train!r}")
+        if self.dspark_train != "off" and not self.dspark_stages:
+            raise ConfigError(
+                f"dspark_train {self.dspark_train!r}: the model has no DSpark draft stages "
+                "(dspark_stages 0; a release's config.json num_nextn_predict_layers)"
+            )
+        if not 0 < self.dspark_anchor_rate <= 1 or not 0 < self.dspark_decay <= 1:
+            raise ConfigError(
+                f"dspark_anchor_rate ({self.dspark_anchor_rate}) and dspark_decay "
+                f"({self.dspark_decay}) must be in (0, 1]"
+            )
+        weights = (self.dspark_loss_weight, self.dspark_kl_weight, self.dspark_confidence_weight)
+        if min(weights) < 0:
+            raise ConfigError(f"dspark loss, kl and confidence weights {weights} must be >= 0")
         if not self.dspark_stages:
             return
         n = self.num_layers

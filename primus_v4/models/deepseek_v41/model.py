@@ -14,7 +14,8 @@ look-back (`EngramHash.row_ids`). Padding rows get no Engram write and are never
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from primus_v4.models.deepseek_v41.compressor import PoolPlan
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
 from primus_v4.models.deepseek_v41.dspark import DraftOutput, DraftPlan, DSparkDrafter
 from primus_v4.models.deepseek_v41.dspark_objective import (
+    IGNORE,
     DraftTerms,
     DraftWeights,
     draft_terms,
@@ -149,10 +151,17 @@ class DeepseekV41Model(DeepseekV4Model):
         self.mtp = nn.ModuleList()  # no MTP depth: the release's draft stages are `dspark`
         if drafter and not cfg.dspark_stages:
             raise ConfigError("drafter=True but the config has no DSpark stages (dspark_stages 0)")
+        drafter = drafter or cfg.dspark_train != "off"
         self.dspark = DSparkDrafter(cfg) if drafter else None
         self.engram_rows = EngramRows(cfg) if cfg.engram_layer_ids else None
         if not self.embedding.weight.is_meta:
             self.init_weights(seed)
+        if cfg.dspark_train == "joint":  # its gradients never scale the backbone's in a clip
+            self.clip_apart = {"dspark.": "draft"}
+        if cfg.dspark_train == "only":  # the backbone runs forward only; checkpoints skip it
+            for name, p in self.named_parameters():
+                p.requires_grad_(name.startswith("dspark."))
+            self.checkpoint_prefixes = ("dspark.",)
 
     def set_token_map(self, token_map: torch.Tensor) -> None:
         """The Engram token map of the tokenizer ([vocab] int64 compressed ids)."""
@@ -194,14 +203,84 @@ class DeepseekV41Model(DeepseekV4Model):
         )
         labels_T = _row(labels, "labels")
         mask_T = None if labels_T is None else self._main_mask(labels_T, loss_mask, pad_T)
-        x_TKD = lift_streams(self.embedding(ids_T), self.cfg.hc_mult)
-        h_TD, aux = self._layers(x_TKD, ids_T, pos_T, layout, pad_T)
-        out = ModelOutput()
-        self._head(out, self.final_norm(h_TD), labels_T, mask_T, mtp=False)
+        trains_draft = labels_T is not None and self.cfg.dspark_train != "off"
+        if trains_draft:
+            self._require_drafter(packed_seq_params)
+        captured: dict[int, torch.Tensor] = {}
+        frozen = self.cfg.dspark_train == "only"
+        with self._capturing(captured if trains_draft else None), torch.no_grad() if frozen \
+                else contextlib.nullcontext():  # fmt: skip
+            x_TKD = lift_streams(self.embedding(ids_T), self.cfg.hc_mult)
+            h_TD, aux = self._layers(x_TKD, ids_T, pos_T, layout, pad_T)
+            normed_TD = self.final_norm(h_TD)
+            out = ModelOutput()
+            self._head(out, normed_TD, labels_T, mask_T, mtp=False)
         if labels_T is not None:
             out.mtp_loss = aux.new_zeros(())
         out.aux_loss = aux
+        if trains_draft:
+            assert mask_T is not None
+            main_TX = torch.cat([captured[i] for i in self.cfg.dspark_target_layer_ids], -1)
+            targets_T = torch.where(mask_T.bool(), labels_T, IGNORE)
+            out.draft = self._draft_terms(
+                ids_T, pos_T, layout, pad_T, targets_T, main_TX.detach(), normed_TD.detach()
+            )
+            out.draft.objective = out.draft.objective * self.cfg.dspark_loss_weight
         return out
+
+    @contextlib.contextmanager
+    def _capturing(self, captured: dict[int, torch.Tensor] | None) -> Iterator[None]:
+        """The target layers hand `captured` their input (the drafter's main states)."""
+        targets = self.cfg.dspark_target_layer_ids if captured is not None else ()
+        for block in self.layers:
+            block.capture = captured if block.layer_idx in targets else None
+        try:
+            yield
+        finally:
+            for block in self.layers:
+                block.capture = None
+
+    def _draft_terms(
+        self,
+        ids_T: torch.Tensor,
+        pos_T: torch.Tensor,
+        layout: RowLayout,
+        pad_T: torch.Tensor | None,
+        targets_T: torch.Tensor,
+        main_TX: torch.Tensor,
+        normed_TD: torch.Tensor,
+        *,
+        seed: int | None = None,
+        rate: float | None = None,
+        weights: DraftWeights | None = None,
+        chunk: int | None = None,
+    ) -> DraftTerms:
+        """The draft objective of the pack's anchors from the backbone's detached states
+        (dspark_objective.py); the run's `dspark_*` fields unless given. Connected to every
+        trainable drafter weight even when the pack has no anchor."""
+        cfg = self.cfg
+        seed = cfg.dspark_anchor_seed if seed is None else seed
+        rate = cfg.dspark_anchor_rate if rate is None else rate
+        weights = weights or DraftWeights(kl=cfg.dspark_kl_weight, decay=cfg.dspark_decay,
+                                          confidence=cfg.dspark_confidence_weight)  # fmt: skip
+        chunk = chunk or cfg.ce_chunk_size
+        anchors = sample_anchors(ids_T, targets_T, layout, pad_T, seed=seed, rate=rate)
+        # every drafter weight in the graph: a pack without anchors still backpropagates
+        anchor_free = sum(p.sum() for p in self.dspark.parameters() if p.requires_grad) * 0.0
+        b = cfg.dspark_block_size
+        if anchors.numel() == 0:
+            return DraftTerms(objective=anchor_free.float(), accepted_B=[0] * b,
+                              targets_B=[0] * b)  # fmt: skip
+        plan = DraftPlan.build(cfg, ids_T, pos_T, layout, anchors, None, pad_T)
+        h_ND, markov_NR, _ = self.dspark.states(
+            main_TX, pos_T, plan, embedding_weight=self.embedding.weight.detach()
+        )
+        rows_N, target_N, valid_N = slot_targets(anchors, targets_T, layout, b)
+        terms = draft_terms(self.dspark, h_ND, markov_NR, normed_TD[rows_N], target_N, valid_N,
+                            head_weight=self.lm_head.weight, block=b, weights=weights,
+                            chunk=chunk)  # fmt: skip
+        terms.objective = terms.objective + anchor_free
+        return terms
 
     def draft(
         self,
@@ -284,19 +363,10 @@ class DeepseekV41Model(DeepseekV4Model):
         labels_T = _row(labels, "labels")
         with torch.no_grad():
             main_TX, normed_TD = self.main_hidden(ids_T, pos_T, layout, pad_T, final=True)
-        anchors = sample_anchors(ids_T, labels_T, layout, pad_T, seed=seed, rate=rate)
-        weights = weights or DraftWeights()
-        if anchors.numel() == 0:
-            return DraftTerms(objective=main_TX.new_zeros((), dtype=torch.float32))
-        b = self.cfg.dspark_block_size
-        plan = DraftPlan.build(self.cfg, ids_T, pos_T, layout, anchors, None, pad_T)
-        h_ND, markov_NR, _ = self.dspark.states(
-            main_TX, pos_T, plan, embedding_weight=self.embedding.weight.detach()
-        )
-        rows_N, target_N, valid_N = slot_targets(anchors, labels_T, layout, b)
-        return draft_terms(self.dspark, h_ND, markov_NR, normed_TD[rows_N], target_N, valid_N,
-                           head_weight=self.lm_head.weight, block=b, weights=weights,
-                           chunk=chunk)  # fmt: skip
+        terms = self._draft_terms(ids_T, pos_T, layout, pad_T, labels_T, main_TX, normed_TD,
+                                  seed=seed, rate=rate, weights=weights or DraftWeights(),
+                                  chunk=chunk)  # fmt: skip
+        return terms
 
     @torch.no_grad()
     def speculative_decode(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> SpecResult:

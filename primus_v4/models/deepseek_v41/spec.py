@@ -35,6 +35,14 @@ def _config_json(cfg: DeepseekV41Config) -> dict[str, Any]:
     }
 
 
+def _step_hooks(modules: Any, section: Any, *, group: Any = None) -> list[Any]:
+    """DeepSeek-V4's router bias update; with `model.draft.train: only` on the drafter's routers
+    alone (the frozen backbone's gate biases stay the release's)."""
+    if section.draft.train == "only":
+        modules = [m.dspark for m in modules if getattr(m, "dspark", None) is not None]
+    return v4._step_hooks(modules, section, group=group)
+
+
 SPEC = ModelSpec(
     name="deepseek_v41",
     title="DeepSeek-V4.1",
@@ -47,7 +55,7 @@ SPEC = ModelSpec(
     is_meta=is_meta,
     cp_min_rows=required_local_rows,
     cp_splitter=CpSplitter,
-    step_hooks=v4._step_hooks,
+    step_hooks=_step_hooks,
     add_adapters=lora.add_adapters,
     keep_release=keep_release_base,
     release=ReleaseFormat(

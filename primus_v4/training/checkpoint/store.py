@@ -146,6 +146,9 @@ def _train_state(
         # DCP warns about features (e.g. sharded tensors) this code does not use.
         warnings.simplefilter("ignore")
         model_sd = get_model_state_dict(model, options=_model_options(model))
+    part = getattr(model, "checkpoint_prefixes", None)  # a model that trains one part only
+    if part:
+        model_sd = {k: v for k, v in model_sd.items() if k.startswith(tuple(part))}
     _experts_as_dtensors(model, model_sd)
     optim_sd: dict[str, Any] = {}
     if optimizer is not None:
@@ -163,10 +166,14 @@ def _train_state(
 
 
 def _model_options(model: nn.Module) -> StateDictOptions:
-    """A LoRA model's checkpoint holds its adapters and buffers; the frozen base comes from
+    """A model that trains a part only: its checkpoint holds the trained parameters and buffers
+    (LoRA adapters: `checkpoint_trainable_only`), or only the names under its
+    `checkpoint_prefixes` (a drafter on a frozen backbone); the frozen rest comes from
     model.pretrained (or the seed) again on resume."""
-    adapters_only = bool(getattr(model, "adapters_only", False))
-    return StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
+    part = bool(getattr(model, "checkpoint_trainable_only", False)) or bool(
+        getattr(model, "checkpoint_prefixes", None)
+    )
+    return StateDictOptions(ignore_frozen_params=part, strict=not part)
 
 
 def _sharded(optimizer: Any) -> ShardedAdamW:

@@ -46,12 +46,15 @@ class Tracker(Protocol):
 
 
 def scalars(metrics: Any) -> dict[str, float]:
-    """The metrics row's numbers (flags and not-evaluated None values are not scalars)."""
-    return {
-        key: value
-        for key, value in asdict(metrics).items()
-        if key != "step" and not isinstance(value, bool) and isinstance(value, int | float)
-    }
+    """The metrics row's numbers (flags and not-evaluated None values are not scalars); a list
+    (a drafter's per-slot acceptance) as one scalar per entry, `name_0`, `name_1`, ..."""
+    out: dict[str, float] = {}
+    for key, value in asdict(metrics).items():
+        if isinstance(value, list):
+            out.update({f"{key}_{i}": v for i, v in enumerate(value)})
+        elif key != "step" and not isinstance(value, bool) and isinstance(value, int | float):
+            out[key] = value
+    return out
 
 
 def flat_params(cfg: RunConfig) -> dict[str, Any]:

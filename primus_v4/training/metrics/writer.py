@@ -42,6 +42,21 @@ class StepMetrics:
     eval_loss: float | None = None
     """Token-mean loss of the whole evaluation corpus after this step (None: not evaluated)."""
     eval_mtp_loss: float | None = None
+    draft_loss: float | None = None
+    """A drafter in training: its objective per draft target slot (ce + kl + confidence terms,
+    before its loss weight); None when no drafter trains."""
+    draft_ce: float | None = None
+    """Its cross entropy to the data token per target slot."""
+    draft_kl: float | None = None
+    """Its KL(backbone || draft) per target slot."""
+    draft_confidence: float | None = None
+    """Its confidence head's binary cross entropy per target slot."""
+    draft_tau: float | None = None
+    """Expected accepted draft tokens per block (greedy, teacher forced), a mean over anchors."""
+    draft_accept: list[float] | None = None
+    """Per block slot: the share of anchors whose draft is accepted through that slot."""
+    draft_grad_norm: float | None = None
+    """A drafter trained beside the model: its own gradient norm (clipped apart)."""
 
     def log_line(self, total_steps: int) -> str:
         evaluated = (
@@ -49,6 +64,12 @@ class StepMetrics:
             if self.eval_loss is not None and self.eval_mtp_loss is not None
             else ""
         )
+        if self.draft_loss is not None:
+            accept = " ".join(f"{a:.2f}" for a in self.draft_accept or [])
+            evaluated = (
+                f" | draft {self.draft_loss:.4f} (ce {self.draft_ce:.4f} kl {self.draft_kl:.4f})"
+                f" tau {self.draft_tau:.2f} accept [{accept}]" + evaluated
+            )
         return (
             f"step {self.step}/{total_steps} loss {self.loss:.4f} mtp {self.mtp_loss:.4f} "
             f"aux {self.aux_loss:.2e} gnorm {self.grad_norm:.3f} lr {self.lr:.2e} "
@@ -72,7 +93,10 @@ def make_step_metrics(
     total, real, supervised = tokens
     rate = 1.0 / max(seconds, 1e-9)
     values = [losses["loss"], losses["mtp_loss"], losses["aux_loss"], grad_norm]
+    draft = {k: v for k, v in losses.items() if k.startswith("draft_")}
+    values += [v for k, v in draft.items() if k != "draft_accept"]
     return StepMetrics(
+        **draft,
         step=step,
         loss=losses["loss"],
         mtp_loss=losses["mtp_loss"],
@@ -170,7 +194,22 @@ def summarize(
         "peak_memory_bytes": max((r.peak_memory_bytes for r in rows), default=0),
         "total_seconds": sum(r.step_seconds for r in rows),
         **_last_eval(rows),
+        **_draft_window(finite, window),
     }
+
+
+def _draft_window(rows: Sequence[StepMetrics], window: int) -> dict[str, Any]:
+    """A drafter in training: its loss and tau over the first and last `window` steps."""
+    drafted = [r for r in rows if r.draft_loss is not None]
+    if not drafted:
+        return {}
+    mean = lambda xs: sum(xs) / len(xs)
+    out: dict[str, Any] = {}
+    for name in ("draft_loss", "draft_tau"):
+        values = [getattr(r, name) for r in drafted]
+        out[f"{name}_first_{window}"] = mean(values[:window])
+        out[f"{name}_last_{window}"] = mean(values[-window:])
+    return out
 
 
 def _last_eval(rows: Sequence[StepMetrics]) -> dict[str, Any]:
@@ -213,6 +252,15 @@ def plot_loss(rows: Sequence[StepMetrics], path: str | Path) -> Path:
     if evaluated:
         ax_loss.plot([r.step for r in evaluated], [r.eval_loss for r in evaluated],
                      label="eval loss", marker="o", linestyle="--")  # fmt: skip
+    drafted = [r for r in rows if r.draft_loss is not None]
+    if drafted:
+        ax_loss.plot([r.step for r in drafted], [r.draft_loss for r in drafted],
+                     label="draft loss", alpha=0.7)  # fmt: skip
+        ax_tau = ax_loss.twinx()
+        ax_tau.plot([r.step for r in drafted], [r.draft_tau for r in drafted],
+                    color="tab:purple", linestyle=":", label="draft tau")  # fmt: skip
+        ax_tau.set_ylabel("accepted draft tokens per block (tau)")
+        ax_tau.legend(loc="center right")
     ax_loss.set(xlabel="step", ylabel="token-mean CE", title="loss")
     ax_loss.legend()
     ax_norm.plot(steps, [r.grad_norm for r in rows], color="tab:red", marker=".")

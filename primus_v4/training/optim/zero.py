@@ -377,16 +377,27 @@ class ShardedAdamW(Optimizer):
             s.grad = None
 
     @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float, *, apart: tuple[str, ...] = ()) -> float:
         """Global grad norm over every rank's owned chunks (parallel.grad_norm), then clip them
-        to `max_norm` as torch's clip_grad_norm_ does; returns the norm before clipping."""
-        dense = [s.grad for s in self.slots if not s.expert
+        to `max_norm` as torch's clip_grad_norm_ does; returns the norm before clipping.
+
+        `apart`: name prefixes of parameters clipped on their own norm (a drafter trained beside
+        the model: its gradients never scale the model's); their norms go to `apart_norms`."""
+        self.apart_norms: dict[str, float] = {}
+        rest = [s for s in self.slots if not s.name.startswith(apart)] if apart else self.slots
+        for prefix in apart:
+            part = [s for s in self.slots if s.name.startswith(prefix)]
+            self.apart_norms[prefix] = self._clip(part, max_norm)
+        return self._clip(rest, max_norm)
+
+    def _clip(self, slots: list[Slot], max_norm: float) -> float:
+        dense = [s.grad for s in slots if not s.expert
                  and not getattr(s.param, "pipeline_duplicate", False)]  # fmt: skip
-        experts = [s.grad for s in self.slots if s.expert]
+        experts = [s.grad for s in slots if s.expert]
         norm = global_grad_norm(dense, experts, self.ctx)
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
-            for s in self.slots:
+            for s in slots:
                 s.grad.mul_(coef)
         return norm
 

@@ -41,6 +41,8 @@ MODES: dict[str, tuple[str, tuple[str, ...]]] = {
     "v41 full, tables trainable sharded": (
         "v41", (f"{ENGRAM}.trainable=true", f"{ENGRAM}.placement=sharded")),
     "v41 lora": ("v41", LORA),
+    "v41 drafter joint": ("v41", ("model.draft.train=joint", "model.draft.anchor_rate=0.5")),
+    "v41 drafter only": ("v41", ("model.draft.train=only", "model.draft.anchor_rate=0.5")),
 }  # fmt: skip
 
 
@@ -96,7 +98,7 @@ def test_a_resumed_run_is_the_uninterrupted_run(mode: str, releases, tmp_path: P
     got = _train(resumed, release, extra)
     assert list(got) == [2], got
     print(f"{mode}: step-2 loss uninterrupted {want.loss!r} resumed {got[2].loss!r}")
-    for key in ("loss", "grad_norm"):
+    for key in ("loss", "grad_norm", "draft_loss", "draft_tau"):
         assert getattr(got[2], key) == getattr(want, key), key
 
 

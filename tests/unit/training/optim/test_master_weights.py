@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -116,10 +117,10 @@ def _changed_at_tiny_lr(tmp_path: Path, dtype: str, *settings: str) -> tuple[Tra
     touched = [torch.zeros_like(s.master, dtype=torch.bool) for s in opt.slots]
     clip = opt.clip_grad_norm
 
-    def recording_clip(max_norm: float) -> float:
+    def recording_clip(max_norm: float, **parts: Any) -> float:
         for t, s in zip(touched, opt.slots, strict=True):
             t |= s.grad != 0
-        return clip(max_norm)
+        return clip(max_norm, **parts)
 
     opt.clip_grad_norm = recording_clip
     trainer.train()
