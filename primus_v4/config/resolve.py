@@ -238,12 +238,16 @@ def _recompute_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
 
 
 def _draft_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
+    overrides.update(draft_overrides(cfg))
+
+
+def draft_overrides(cfg: RunConfig) -> dict[str, Any]:
     """`model.draft` as the model config's `dspark_*` training fields (set only when the drafter
     trains, so a family without a drafter is refused by `check_draft` in words)."""
     draft = cfg.model.draft
     if draft.train == "off":
-        return
-    overrides.update(
+        return {}
+    return dict(
         dspark_train=draft.train,
         dspark_loss_weight=draft.weight,
         dspark_anchor_rate=draft.anchor_rate,

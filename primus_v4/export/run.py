@@ -29,7 +29,7 @@ import torch
 
 from primus_v4.checkpoint_formats.sharded import ExportDtype, WriteSummary, tokenizer_files
 from primus_v4.config import RunConfig, load_config
-from primus_v4.config.resolve import model_config, tokenizer_of
+from primus_v4.config.resolve import draft_overrides, model_config, tokenizer_of
 from primus_v4.data.tokenizer import resolve_tokenizer_dir
 from primus_v4.errors import CheckpointError, ConfigError, describe_os_error
 from primus_v4.export import peft
@@ -156,7 +156,8 @@ def model_config_of(source: ExportSource) -> Any:
     stored = source.checkpoint / MODEL_CONFIG_FILE
     if stored.is_file():
         release = release_spec(stored).release
-        return release.config_from_json(json.loads(stored.read_text()), source=str(stored))
+        return release.config_from_json(json.loads(stored.read_text()), source=str(stored),
+                                        **draft_overrides(source.run))  # fmt: skip
     return model_config(source.run)
 
 
@@ -241,6 +242,7 @@ def _groups(names: list[str]) -> list[list[str]]:
     for name in names:
         parts = name.split(".")
         key = ".".join(parts[:2]) if parts[0] in ("layers", "mtp") else ""
+        key = ".".join(parts[:3]) if parts[0] == "dspark" else key  # a draft stage
         groups.setdefault(key, []).append(name)
     return list(groups.values())
 

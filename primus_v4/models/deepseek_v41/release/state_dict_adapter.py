@@ -205,9 +205,12 @@ def _dspark_stage(cfg: DeepseekV41Config, stage: int) -> list[Entry]:
     return out
 
 
-def name_table(cfg: DeepseekV41Config, *, drafter: bool = False) -> dict[str, Entry]:
+def name_table(cfg: DeepseekV41Config, *, drafter: bool | None = None) -> dict[str, Entry]:
     """Every tensor of our model's state dict (parameters and persistent buffers) -> its entry;
-    with `drafter`, the DSpark stages' too."""
+    with `drafter` (default: when the config trains it, `dspark_train`), the DSpark stages'
+    too."""
+    if drafter is None:
+        drafter = cfg.dspark_train != "off"
     d, v = cfg.hidden_size, cfg.vocab_size
     entries = [
         _e("embedding.weight", "embed.weight", (v, d), "bf16"),
@@ -232,10 +235,13 @@ def saved_as(cfg: DeepseekV41Config, section: Any) -> dict[str, str | None]:
     stores it under when placed, or None when it keeps it out} for the Engram tables; a table
     left in place (replicated trainable, or rows not FP8-encodable) is stored as itself."""
     trainable = section.engram.trainable
-    return {
+    out: dict[str, str | None] = {
         name: name.removesuffix("table") + "placed.weight" if trainable else None
         for name in engram_tables(cfg)
     }
+    if section.draft.train == "only":  # the frozen backbone: carried from the release
+        out.update({n: None for n in name_table(cfg) if not n.startswith("dspark.")})
+    return out
 
 
 def release_tensors(cfg: DeepseekV41Config) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -301,9 +307,11 @@ def read_state(cfg: DeepseekV41Config, reader: Any, names: list[str]) -> dict[st
 
 
 def to_release(cfg: DeepseekV41Config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """{release_name: tensor} (logical, unquantized) of every text-backbone tensor of `state`."""
+    """{release_name: tensor} (logical, unquantized) of every text-backbone tensor of `state`,
+    and of the DSpark stages when it holds them (a drafter trained or loaded)."""
     out = {}
-    for ours, e in name_table(cfg).items():
+    drafter = any(name.startswith("dspark.") for name in state)
+    for ours, e in name_table(cfg, drafter=drafter or None).items():
         if ours in state:
             out.update(zip(e.release, split(e, state[ours].detach()), strict=True))
     return out

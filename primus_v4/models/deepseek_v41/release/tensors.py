@@ -44,7 +44,7 @@ PLAIN: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # CheckpointReader.storage() of each kind's stored tensor
 STORED_AS = {"fp8": "fp8", "fp4": "fp4", "fp8row": "fp8", "bf16": "bf16", "fp32": "fp32"}
 
-_L = r"layers\.\d+\."
+_L = r"(?:layers|mtp)\.\d+\."  # a decoder layer, or a DSpark stage (the same kinds)
 KINDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(pattern), kind)
     for pattern, kind in (
@@ -64,6 +64,9 @@ KINDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (rf"{_L}attn\.attn_sink", "fp32"),
         (rf"{_L}hc_(attn|ffn)_(fn|base|scale)", "fp32"),
         (rf"{_L}ffn\.gate\.(bias|bias_vl)", "fp32"),
+        (r"mtp\.\d+\.main_proj\.weight", "fp8"),
+        (r"mtp\.\d+\.(main_norm|norm)\.weight", "bf16"),
+        (r"mtp\.\d+\.(markov_head\.(embed|head)|confidence_head\.proj)\.weight", "bf16"),
     )
 )
 NOT_TEXT = re.compile(r"(vision|aligner|mtp)\..*|image_.*|layers\.\d+\.ffn\.gate\.bias_vl")
