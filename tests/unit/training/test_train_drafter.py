@@ -162,7 +162,8 @@ def test_a_family_without_a_drafter_is_refused(tmp_path: Path) -> None:
 def test_a_v41_model_without_stages_is_refused(tmp_path: Path) -> None:
     items = [i for i in _items(tmp_path, "joint") if not i.startswith("model.pretrained")]
     with pytest.raises(ConfigError, match="the model has no DSpark draft stages"):
-        resolve_run(load_config(overrides=[*items, "model.preset=tiny_v41"]), world=1)
+        items += ["model.preset=tiny_v41", "model.overrides.dspark_stages=0"]
+        resolve_run(load_config(overrides=items), world=1)
 
 
 def test_joint_trains_the_backbone_as_plain_sft_does(tmp_path: Path) -> None:
