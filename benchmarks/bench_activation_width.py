@@ -243,8 +243,8 @@ def _set_recompute(model, modules: frozenset[str]) -> None:
 def recompute_table(model, cfg, batch, seq: int, gemm: str | None) -> None:
     """Per choice and layer kind: saved bytes it drops (planned; measured with `--recompute`)
     and the forward FLOPs it repeats, against the layer's step FLOPs without recompute."""
-    from primus_v4.memory.activations import kept, layer_flops, recompute_flops, step_flops
     from primus_v4.memory.plan import cfg_kind, saved_parts
+    from primus_v4.models.common.activations import kept, layer_flops, recompute_flops, step_flops
 
     layers = {cfg.layer_kind(i): i for i in range(cfg.num_layers)} | {"mtp": None}
     parts = {k: saved_parts(cfg, i, rows=seq, seq=seq, b=2) for k, i in layers.items()}

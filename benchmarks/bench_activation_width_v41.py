@@ -10,9 +10,9 @@ Engram tables (the rows a step gathers are the same count) so it fits in RAM:
     4 ratio-1 kv source + candidate source, 5 ratio-1 reuse, 6 ratio-1 reindex
 
 It runs one training step on one packed row and prints, per role, the measured saved bytes next
-to the memory plan's (`memory.activations.layer_parts_v41`), then the step's peak next to the
-plan's backward phase. GEMMs are skipped by default (zeros of the exact shape and dtype, see the
-V4 benchmark).
+to the memory plan's (`models/deepseek_v41/memory_terms.layer_parts_of`), then the step's
+peak next to the plan's backward phase. GEMMs are skipped by default (zeros of the exact shape
+and dtype, see the V4 benchmark).
 
 Measured here (2 shared CPU cores, GEMMs skipped), plan / measured per role: 512 tokens,
 1.000-1.001 (step peak 0.877: a fixed ~0.4 GiB of backward temporaries the plan does not
@@ -60,7 +60,7 @@ class Roles:
     """The config as `SavedBytes` reads it, with each layer named by its V4.1 role."""
 
     def __init__(self, cfg) -> None:
-        from primus_v4.memory.activations import v41_role
+        from primus_v4.models.deepseek_v41.memory_terms import layer_role as v41_role
 
         self.num_layers = cfg.num_layers
         self.roles = [v41_role(cfg, i) for i in range(cfg.num_layers)]
@@ -104,7 +104,7 @@ def step(model, cfg, batch, *, gemm: str):
 
 
 def role_table(saved, cfg, seq: int) -> list[tuple[str, float, float]]:
-    from primus_v4.memory.activations import layer_parts_v41
+    from primus_v4.models.deepseek_v41.memory_terms import layer_parts_of as layer_parts_v41
 
     measured: dict[str, float] = defaultdict(float)
     for (role, _), b in saved.bytes.items():

@@ -10,7 +10,7 @@ fraction (the rows the LM head sees), is printed beside it.
 
     python benchmarks/bench_memory_plan.py   # the comparison table
 
-The activation terms are counted from the code (memory/activations.py); at Flash width
+The activation terms are counted from the code (models/common/activations.py); at Flash width
 they are measured by benchmarks/bench_activation_width.py.
 """
 

@@ -1,5 +1,5 @@
 """What each backend of an op saves for backward beyond the torch reference: the memory plan's
-per-backend term (memory/activations.py), known by construction of each autograd function.
+per-backend term (models/common/activations.py), known by construction of each autograd function.
 
 Legend: T = query rows, H x D = heads x head dim, N = key-buffer rows, W = a query's candidates
 (window + visible pool + top-k), b = bytes of the activation dtype.

@@ -8,8 +8,8 @@ fp32 masters (none for float32 parameters: they are their own masters) and two f
 this rank's 1/n chunk, split device / host by `optim.offload_fraction`.
 
 Activations are the tensors autograd saves for backward, counted from the model code per layer
-part (`activation_plan.py`: each saved tensor's shape and dtype, the recompute choice's parts
-removed) and checked against measurements at Flash width in bf16
+part (`models/common/activations.py` and the family's own terms: each saved tensor's shape and
+dtype, the recompute choice's parts removed) and checked against measurements at Flash width in bf16
 (`benchmarks/bench_activation_width.py`). Pipeline stages hold the activations of
 min(micro-batches, pp - stage) micro-batches (1F1B); full recompute keeps each layer's input
 streams; the backward of one layer holds that layer's whole set again (its recompute). The LM
@@ -25,20 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from primus_v4.kernels.saved_sets import planned_attention_backend
-from primus_v4.memory.activations import (
+from primus_v4.models import spec_of
+from primus_v4.models.common.activations import (
     head_bytes,
     kept,
     layer_flops,
     layer_parts,
-    layer_parts_v41,
     mtp_extra,
     recompute_flops,
     step_flops,
-    v41_index_scores,
-    v41_role,
-    v41_shared_bytes,
 )
-from primus_v4.models import spec_of
 from primus_v4.models.common.recompute import selected
 from primus_v4.parallel.data_parallel import BUCKET_BYTES
 from primus_v4.parallel.pipeline_layout import plan_stages
@@ -263,19 +259,12 @@ def saved_parts(cfg: Any, layer: int | None, *, rows: int, seq: int, b: int,
         for name, v in mtp_extra(cfg, rows=rows, b=b).items():
             parts[name] = parts.get(name, 0.0) + v
         return parts
-    if is_v41(cfg):
-        return layer_parts_v41(cfg, layer, **kw)
-    return layer_parts(cfg, cfg.layer_kind(layer), hashed=layer < cfg.num_hash_layers, **kw)
-
-
-def is_v41(cfg: Any) -> bool:
-    """DeepSeek-V4.1's layer roles, shared caches and Engram (the memory terms it adds)."""
-    return getattr(cfg, "family", "") == "deepseek_v41"
+    return spec_of(cfg).memory.layer_parts(cfg, layer, **kw)
 
 
 def layer_role(cfg: Any, layer: int) -> str:
-    """How the plan groups layer `layer`: V4's kind, or V4.1's role (`v41_role`)."""
-    return v41_role(cfg, layer) if is_v41(cfg) else cfg.layer_kind(layer)
+    """How the plan groups layer `layer`: its family's role for it (`MemoryTerms.layer_role`)."""
+    return spec_of(cfg).memory.layer_role(cfg, layer)
 
 
 def cfg_kind(cfg: Any, layer: int | None) -> str:
@@ -332,8 +321,9 @@ def activation_rows(plan: MemoryPlan, cfg: Any, spec: Any, *, seq: int, cp: int,
         grads = 5 * t * cfg.num_attention_heads * cfg.kv_channels * b
         label = " + its recompute" if again else ""
         plan.add(f"backward working set (one layer{label})", again + grads, phase="backward")
-    if is_v41(cfg) and spec.decoder_layers:
-        v41_rows(plan, cfg, spec, seq=seq, t=t, held=held)
+    family_rows = spec_of(cfg).memory.stage_rows
+    for name, value in family_rows(cfg, list(spec.decoder_layers), seq=seq, t=t, held=held):
+        plan.add(name, value, phase="backward")
     if spec.has_loss:
         calls = 1 + len(spec.mtp_depths)
         v, dim = cfg.vocab_size, cfg.hidden_size
@@ -350,25 +340,6 @@ def activation_rows(plan: MemoryPlan, cfg: Any, spec: Any, *, seq: int, cp: int,
         plan.add(f"CE transient: {two} x fp32 logits [{chunk}, V]{product}",
                  two * chunk * v * 4 + dw, phase="backward")  # fmt: skip
     plan.notes.append(recompute_note(cfg, layers, seq=seq))
-
-
-def v41_rows(plan: MemoryPlan, cfg: Any, spec: Any, *, seq: int, t: int, held: int) -> None:
-    """DeepSeek-V4.1's terms outside the layers' saved sets: the shared caches a stage receives
-    from an earlier kv / index source (a stage cut inside a sharing run: the pool, index keys,
-    selection and candidates travel with the streams, one set per micro-batch in flight), the
-    forward's own shared cache (its selection and candidates live until the forward ends), and
-    the indexer's scores, chunked by query rows."""
-    first = spec.decoder_layers[0]
-    shared = v41_shared_bytes(cfg, rows=t, seq=seq)
-    reads = cfg.compress_ratios[first] and first not in cfg.kv_source_layer_ids
-    if reads and shared:
-        plan.add(f"shared caches received from the stage before (x {held} micro-batch)",
-                 held * sum(shared.values()), phase="backward")  # fmt: skip
-    if shared:
-        plan.add("this forward's shared cache (pool, keys, selection, candidates)",
-                 sum(shared.values()), phase="backward")  # fmt: skip
-        plan.add("indexer scores, chunked by query rows", v41_index_scores(cfg, seq=seq),
-                 phase="backward")  # fmt: skip
 
 
 def recompute_note(cfg: Any, layers: list[int | None], *, seq: int) -> str:

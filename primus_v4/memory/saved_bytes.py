@@ -1,6 +1,6 @@
 """What autograd saves for backward, by layer kind and module: the measurement behind the memory
-plan's activation terms (`activation_plan.py`), used by `benchmarks/bench_activation_width.py`
-and the tests that keep the plan next to the code.
+plan's activation terms (`models/common/activations.py`), used by
+`benchmarks/bench_activation_width.py` and the tests that keep the plan next to the code.
 
 A saved_tensors_hooks pack hook records every saved storage once (parameters are not
 activations) under the innermost module running, by (layer kind, module path inside the layer):

@@ -2,7 +2,7 @@
 
 Everything above `models/` reaches a model only through its spec (an import-linter contract in
 pyproject.toml says so): the trainer builds, cuts, loads and updates a model; the config layer
-reads presets and release config.json files; the memory plan names layer kinds; the exports
+reads presets and release config.json files; the memory plan counts its layers' terms; the exports
 rename and write tensors. A second family plugs in by adding its folder and one line in
 `models/__init__.py`, without touching the trainer, the CLI or the memory plan.
 """
@@ -66,6 +66,21 @@ class ReleaseFormat:
 
 
 @dataclass(kw_only=True, frozen=True)
+class MemoryTerms:
+    """A family's terms of the memory plan (`primus-v4 inspect memory`, `train --dry-run`),
+    counted from its code (models/common/activations.py holds the shared counting)."""
+
+    layer_parts: Callable[..., dict[str, float]]
+    """(model config, layer, *, rows, seq, b, attention_backend) -> saved bytes by part of
+    decoder layer `layer` (the parts the recompute choices drop, and the rest)."""
+    layer_role: Callable[[Any, int], str]
+    """(model config, layer) -> how the plan groups it (its kind, or a finer role)."""
+    stage_rows: Callable[..., list[tuple[str, float]]] = lambda cfg, layers, **kw: []
+    """(model config, the stage's decoder layers, *, seq, t, held) -> (name, bytes) of what a
+    stage holds in the backward phase besides its layers' saved sets (shared caches, ...)."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class GeometrySpec:
     """A family's model config without torch (its `geometry` module): what the answers that build
     no model read (`train --dry-run`: presets, overrides, layer kinds, parallel sizes)."""
@@ -113,6 +128,8 @@ class ModelSpec:
     """(rank module, config, *, dtype) -> weights kept as the release stores them (meta: to be
     read by the loader; materialized: quantized), decoded per use (`model.lora.base: release`)."""
     release: ReleaseFormat
+    memory: MemoryTerms
+    """The family's memory-plan terms."""
     place_tables: Callable[..., Any] | None = None
     """(rank module, the run's `model` section, *, ctx) after the cut and fill: where the
     family's lookup tables live (DeepSeek-V4.1's Engram, `model.engram`); None: nothing to

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from primus_v4.models.common.activations import layer_parts
 from primus_v4.models.common.kept_base import release_weights
 from primus_v4.models.deepseek_v4.config import LAYER_KINDS, PRESET_DIR, DeepseekV4Config
 from primus_v4.models.deepseek_v4.infra.cp_batch import CpSplitter, required_local_rows
@@ -18,13 +19,18 @@ from primus_v4.models.deepseek_v4.release import config_json, load, save
 from primus_v4.models.deepseek_v4.release import state_dict_adapter as names
 from primus_v4.models.deepseek_v4.release.kept_base import keep_release_base
 from primus_v4.models.deepseek_v4.router_bias import RouterBiasUpdate
-from primus_v4.models.model_spec import ModelSpec, ReleaseFormat, StepHook
+from primus_v4.models.model_spec import MemoryTerms, ModelSpec, ReleaseFormat, StepHook
 
 
 def _step_hooks(modules: Iterable[nn.Module], section: Any, *, group: Any = None) -> list[StepHook]:
     """The router bias update (noaux_tc balancing; off at `model.router_bias_update_rate` 0).
     `section` is the run config's `model` section."""
     return [RouterBiasUpdate(modules, rate=section.router_bias_update_rate, group=group)]
+
+
+def _layer_parts(cfg: Any, layer: int, **kw: Any) -> dict[str, float]:
+    """Saved bytes by part of decoder layer `layer` (its kind's; a hash-routed layer's router)."""
+    return layer_parts(cfg, cfg.layer_kind(layer), hashed=layer < cfg.num_hash_layers, **kw)
 
 
 def _add_adapters(module: nn.Module, section: Any, *, seed: int) -> int:
@@ -60,4 +66,5 @@ SPEC = ModelSpec(
         names=names,
         release_weights=lambda model: list(release_weights(model)),
     ),
+    memory=MemoryTerms(layer_parts=_layer_parts, layer_role=lambda cfg, i: cfg.layer_kind(i)),
 )

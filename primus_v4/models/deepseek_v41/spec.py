@@ -14,7 +14,7 @@ from primus_v4.models.common.kept_base import release_weights
 from primus_v4.models.deepseek_v4 import spec as v4
 from primus_v4.models.deepseek_v4.config import PRESET_DIR
 from primus_v4.models.deepseek_v4.infra.parallelize import is_meta
-from primus_v4.models.deepseek_v41 import lora, peft
+from primus_v4.models.deepseek_v41 import lora, memory_terms, peft
 from primus_v4.models.deepseek_v41.config import LAYER_KINDS, DeepseekV41Config, config_from_release
 from primus_v4.models.deepseek_v41.engram_placement import place_for_run
 from primus_v4.models.deepseek_v41.infra.cp_batch import CpSplitter, required_local_rows
@@ -24,7 +24,7 @@ from primus_v4.models.deepseek_v41.params import param_counts
 from primus_v4.models.deepseek_v41.release import config_json, export, load
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as names
 from primus_v4.models.deepseek_v41.release.kept_base import keep_release_base
-from primus_v4.models.model_spec import ModelSpec, ReleaseFormat
+from primus_v4.models.model_spec import MemoryTerms, ModelSpec, ReleaseFormat
 
 
 def _config_json(cfg: DeepseekV41Config) -> dict[str, Any]:
@@ -72,6 +72,11 @@ SPEC = ModelSpec(
         release_weights=lambda model: list(release_weights(model)),
         peft=peft,
         saved_as=names.saved_as,
+    ),
+    memory=MemoryTerms(
+        layer_parts=memory_terms.layer_parts_of,
+        layer_role=memory_terms.layer_role,
+        stage_rows=memory_terms.stage_rows,
     ),
     place_tables=place_for_run,
 )

@@ -9,9 +9,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from primus_v4.cli import main
 from primus_v4.config import load_config, resolve_run
-from primus_v4.memory.activations import kept
 from primus_v4.memory.plan import plan_memory, saved_parts
 from primus_v4.memory.saved_bytes import SavedBytes
+from primus_v4.models.common.activations import kept
 from primus_v4.models.common.recompute import selected
 from primus_v4.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
 from primus_v4.training.trainer import build_model

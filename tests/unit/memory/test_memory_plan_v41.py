@@ -12,11 +12,11 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from primus_v4.config import load_config, resolve_run
-from primus_v4.memory.activations import v41_role
 from primus_v4.memory.plan import plan_memory, saved_parts
 from primus_v4.memory.saved_bytes import SavedBytes
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
 from primus_v4.models.deepseek_v41.indexer import SCORE_ELEMS
+from primus_v4.models.deepseek_v41.memory_terms import layer_role as v41_role
 from primus_v4.models.deepseek_v41.model import DeepseekV41Model
 
 TABLES = (4062, 4152)  # tiny_v41's Engram rows
