@@ -1,4 +1,5 @@
-"""Evaluation: token-mean loss and MTP loss of the whole evaluation corpus, forward only.
+"""Evaluation: token-mean loss and MTP loss of the whole evaluation corpus, forward only (and a
+drafter's loss, tau and per-slot acceptance when one trains).
 
 Every evaluation row (a pack for thd, a sample for bshd) is seen exactly once: data-parallel
 rank r takes rows r, r + dp, ...; CP ranks of one replica split each row like in training. The
@@ -72,4 +73,8 @@ class Evaluator:
         if trainer.pipeline is not None:
             trainer.pipeline.reduce_eval(step_loss)  # the sums live on the last stage
         losses = step_loss.reported(group=rt.count_group)
-        return {"eval_loss": losses["loss"], "eval_mtp_loss": losses["mtp_loss"]}
+        out = {"eval_loss": losses["loss"], "eval_mtp_loss": losses["mtp_loss"]}
+        for key in ("draft_loss", "draft_tau", "draft_accept"):  # a drafter in training
+            if key in losses:
+                out[f"eval_{key}"] = losses[key]
+        return out

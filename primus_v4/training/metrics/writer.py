@@ -42,6 +42,12 @@ class StepMetrics:
     eval_loss: float | None = None
     """Token-mean loss of the whole evaluation corpus after this step (None: not evaluated)."""
     eval_mtp_loss: float | None = None
+    eval_draft_loss: float | None = None
+    """A drafter in training: its loss per target slot over the evaluation corpus."""
+    eval_draft_tau: float | None = None
+    """... its expected accepted draft tokens per block there."""
+    eval_draft_accept: list[float] | None = None
+    """... and its per-slot greedy acceptance there."""
     draft_loss: float | None = None
     """A drafter in training: its objective per draft target slot (ce + kl + confidence terms,
     before its loss weight); None when no drafter trains."""
@@ -64,6 +70,8 @@ class StepMetrics:
             if self.eval_loss is not None and self.eval_mtp_loss is not None
             else ""
         )
+        if evaluated and self.eval_draft_loss is not None:
+            evaluated += f" draft {self.eval_draft_loss:.4f} tau {self.eval_draft_tau:.2f}"
         if self.draft_loss is not None:
             accept = " ".join(f"{a:.2f}" for a in self.draft_accept or [])
             evaluated = (
@@ -217,8 +225,11 @@ def _last_eval(rows: Sequence[StepMetrics]) -> dict[str, Any]:
     if not evaluated:
         return {}
     last = evaluated[-1]
-    return {"eval_step": last.step, "eval_loss": last.eval_loss,
-            "eval_mtp_loss": last.eval_mtp_loss}  # fmt: skip
+    out = {"eval_step": last.step, "eval_loss": last.eval_loss,
+           "eval_mtp_loss": last.eval_mtp_loss}  # fmt: skip
+    if last.eval_draft_loss is not None:
+        out.update(eval_draft_loss=last.eval_draft_loss, eval_draft_tau=last.eval_draft_tau)
+    return out
 
 
 def format_table(summary: dict[str, Any], title: str = "run summary") -> str:

@@ -174,3 +174,19 @@ def test_joint_trains_the_backbone_as_plain_sft_does(tmp_path: Path) -> None:
     assert [(r.loss, r.grad_norm) for r in joint] == [(r.loss, r.grad_norm) for r in plain]
     assert all(r.draft_grad_norm is not None and r.draft_grad_norm > 0.5 for r in joint)
     assert plain[-1].draft_grad_norm is None
+
+
+def test_evaluation_reports_the_drafter_on_held_out_packs(tmp_path: Path, caplog) -> None:
+    caplog.set_level("INFO", logger="primus_v4")
+    run = resolve_run(load_config(overrides=_items(tmp_path, "joint", "train.eval_interval=1")),
+                      world=1)  # fmt: skip
+    held_out = FakeCorpus([[120, 100], [200]], seed=7)
+    trainer = Trainer(run, corpus=FakeCorpus(RAGGED_PACKS), eval_corpus=held_out)
+    result = trainer.train()
+    for row in result.rows:
+        assert row.eval_draft_loss is not None and row.eval_draft_loss > 0
+        assert 0.0 <= row.eval_draft_tau <= BLOCK and len(row.eval_draft_accept) == BLOCK
+    assert result.rows[0].eval_draft_loss != result.rows[1].eval_draft_loss  # the drafter moved
+    assert result.summary["eval_draft_loss"] == result.rows[-1].eval_draft_loss
+    lines = [r.message for r in caplog.records if r.message.startswith("step 2/2")]
+    assert " | eval loss " in lines[0] and lines[0].split(" | eval loss ")[1].count(" tau ") == 1
