@@ -6,9 +6,12 @@ Views import what they need inside `run`, so listing a cache never imports torch
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def _cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -309,6 +312,113 @@ def _memory_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _draft_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="RELEASE_OR_RUN_DIR",
+                        help="a release directory with its drafter (a run's export, or a "
+                        "DeepSeek-V4.1 release), or a training run / checkpoint dir (exported "
+                        "first as released, into a temporary directory)")  # fmt: skip
+    parser.add_argument("--data", default=None,
+                        help="held-out conversations (any format `pack` reads), tokenized with "
+                        "the release's tokenizer; default: the run config's data.path")  # fmt: skip
+    parser.add_argument("--prompt-ids", default=None, metavar="JSONL",
+                        help="prompts already tokenized: one JSON list of token ids per line "
+                        "(instead of --data)")  # fmt: skip
+    parser.add_argument("--num-prompts", type=int, default=16,
+                        help="the first N samples' prompts are measured (default 16)")  # fmt: skip
+    parser.add_argument("--max-new-tokens", type=int, default=32,
+                        help="tokens generated per prompt (default 32)")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _prompts(corpus: Any, count: int) -> list[list[int]]:
+    """The prompt of each sample, in corpus order: its tokens through the row whose next token
+    is the first supervised one (a sample with no supervised token is skipped)."""
+    out: list[list[int]] = []
+    for i in range(len(corpus)):
+        batch = corpus.thd_batch(i)
+        cu = batch.cu_seqlens_N1.tolist()
+        for lo, hi in itertools.pairwise(cu):
+            supervised = batch.loss_mask_S[lo:hi].nonzero().flatten()
+            if len(supervised) and not bool(batch.padding_mask_S[lo]):
+                out.append(batch.input_ids_S[lo : lo + int(supervised[0]) + 1].tolist())
+            if len(out) == count:
+                return out
+    return out
+
+
+def _prompt_ids(path: Path, count: int) -> list[list[int]]:
+    """The first `count` prompts of a JSONL file of token-id lists (each at least 2 ids)."""
+    from primus_v4.errors import DataError
+
+    out: list[list[int]] = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ids = json.loads(line)
+            except ValueError:
+                ids = None
+            ok = isinstance(ids, list) and len(ids) >= 2
+            if not ok or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise DataError(f"--prompt-ids {path} line {number}: expected a JSON list of at "
+                                "least 2 token ids (non-negative integers)")  # fmt: skip
+            out.append(ids)
+            if len(out) == count:
+                break
+    if not out:
+        raise DataError(f"--prompt-ids {path}: no prompt")
+    return out
+
+
+def _draft_run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from primus_v4.config import load_config
+    from primus_v4.config.resolve import pack_spec
+    from primus_v4.data.pipeline import build_or_load
+    from primus_v4.errors import ConfigError
+    from primus_v4.models import release_spec
+
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--num-prompts and --max-new-tokens must be >= 1")
+    with tempfile.TemporaryDirectory(prefix="primus-v4-draft-") as tmp:
+        release = Path(args.model)
+        if not (release / "config.json").is_file():  # a training run: export it as released
+            from primus_v4.export.run import export_checkpoint, find_source
+
+            release = Path(tmp) / "release"
+            export_checkpoint(find_source(args.model), release, dtype="fp8")
+        spec = release_spec(release)
+        if spec.speculate is None:
+            raise ConfigError(f"--model {args.model}: {spec.title} releases carry no drafter "
+                              "this measures (DeepSeek-V4.1's DSpark)")  # fmt: skip
+        if args.prompt_ids is not None:
+            if args.data is not None:
+                raise ConfigError("--data and --prompt-ids: give one of them")
+            prompts = _prompt_ids(Path(args.prompt_ids), args.num_prompts)
+        else:
+            items = [f"model.pretrained={release}", "data.eval_fraction=0"]
+            items += [f"data.path={args.data}"] if args.data else []
+            corpus = build_or_load(pack_spec(load_config(overrides=items)))
+            prompts = _prompts(corpus, args.num_prompts)
+            if not prompts:
+                raise ConfigError(f"--data {args.data}: no sample with a supervised response")
+        report = spec.speculate(release, prompts, max_new_tokens=args.max_new_tokens,
+                                progress=sys.stderr.isatty())  # fmt: skip
+    numbers = {"model": str(args.model), **report.as_dict()}
+    if args.json:
+        print(json.dumps(numbers))
+        return 0
+    n, new, block = numbers["prompts"], numbers["max_new_tokens"], numbers["block_size"]
+    print(f"{args.model}: greedy speculative decoding of {n} prompts, {new} new tokens each, "
+          f"blocks of {block}")  # fmt: skip
+    print(f"  mean accepted draft tokens per block  {numbers['mean_accepted']:.3f}")
+    print(f"  tokens per backbone pass              {numbers['tokens_per_block']:.3f}")
+    print(f"  draft share of generated tokens       {numbers['draft_share']:.3f}")
+    return 0
+
+
 def _kernels_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=None,
                         help="a backend for every op or op=backend entries, as "
@@ -386,6 +496,12 @@ VIEWS: dict[
         _checkpoint_run,
     ),
     "memory": ("per-rank memory plan of a run before launch", _memory_arguments, _memory_run),
+    "draft": (
+        "how well a release's or run's drafter speculates: greedy speculative decoding of "
+        "held-out prompts (mean accepted draft tokens per block, draft share)",
+        _draft_arguments,
+        _draft_run,
+    ),
     "kernels": (
         "the kernel backend each op uses here, and why each other one is refused",
         _kernels_arguments,

@@ -130,6 +130,10 @@ class ModelSpec:
     release: ReleaseFormat
     memory: MemoryTerms
     """The family's memory-plan terms."""
+    speculate: Callable[..., Any] | None = None
+    """(release directory, prompts [token ids], *, max_new_tokens, progress) -> a report of
+    greedy speculative decoding with the release's drafter (`.as_dict()`: mean accepted draft
+    tokens per block, draft share, ...); None: the family has no drafter to measure."""
     place_tables: Callable[..., Any] | None = None
     """(rank module, the run's `model` section, *, ctx) after the cut and fill: where the
     family's lookup tables live (DeepSeek-V4.1's Engram, `model.engram`); None: nothing to

@@ -24,6 +24,7 @@ from primus_v4.models.deepseek_v41.params import param_counts
 from primus_v4.models.deepseek_v41.release import config_json, export, load
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as names
 from primus_v4.models.deepseek_v41.release.kept_base import keep_release_base
+from primus_v4.models.deepseek_v41.speculate import speculate
 from primus_v4.models.model_spec import MemoryTerms, ModelSpec, ReleaseFormat
 
 
@@ -78,5 +79,6 @@ SPEC = ModelSpec(
         layer_role=memory_terms.layer_role,
         stage_rows=memory_terms.stage_rows,
     ),
+    speculate=speculate,
     place_tables=place_for_run,
 )
