@@ -289,6 +289,21 @@ def check_draft(cfg: RunConfig, sizes: ParallelDims, family: str, model: Any = N
         )
 
 
+def check_quant_aware(cfg: RunConfig, sizes: ParallelDims) -> None:
+    """`train.quant_aware: release`: full fine-tuning (LoRA's quantized merge comes next), and
+    expert shards whole on each rank (ep 1) for now; refused in one line otherwise."""
+    if cfg.train.quant_aware == "none":
+        return
+    where = f"train.quant_aware={cfg.train.quant_aware}"
+    if cfg.model.lora.rank:
+        raise ConfigError(f"{where} with model.lora.rank={cfg.model.lora.rank}: quantization-"
+                          "aware LoRA is not implemented yet; train in full or set "
+                          "train.quant_aware=none")  # fmt: skip
+    if sizes.ep > 1:
+        raise ConfigError(f"{where} with parallel.ep={sizes.ep}: not implemented yet for "
+                          "expert shards; set parallel.ep=1 or train.quant_aware=none")  # fmt: skip
+
+
 def pretrained_model_config(spec: ModelSpec, directory: str, overrides: dict[str, Any]) -> Any:
     """The model config of a released checkpoint (its config.json), overrides applied."""
     read_config = spec.release.read_config
@@ -478,6 +493,7 @@ def resolve_run(cfg: RunConfig, world: int | None = None, *, geometry: bool = Fa
             release = model_config(dataclasses.replace(cfg, model=dataclasses.replace(
                 cfg.model, draft=type(cfg.model.draft)())), geometry=geometry)  # fmt: skip
         check_draft(cfg, sizes, family, release)
+    check_quant_aware(cfg, sizes)
     model = model_config(cfg, geometry=geometry)
     _say_what_model(cfg, model)
     check_model_fits(cfg, sizes, model)

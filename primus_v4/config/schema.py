@@ -422,6 +422,12 @@ class TrainConfig:
     """Global gradient-norm clip; 0 disables clipping (the norm is still logged)."""
     nan_policy: Literal["error", "skip"] = "error"
     """Non-finite loss or gradient: stop with an error naming the step, or skip the step."""
+    quant_aware: Literal["none", "release"] = "none"
+    """`release`: quantization-aware training in the release's own formats: every weight the
+    release stores FP8 / FP4 is used in the forward and backward as the release stores it
+    (quantized by the export's own rule, decoded), its gradient passed straight through to the
+    full-precision weight, so `export --dtype fp8` writes the weights the run trained against.
+    bf16 / fp32 weights of the release train as with `none`."""
     shuffle: bool = True
     """Shuffle pack order each epoch (seeded); False keeps the packer's order."""
     eval_interval: int = 0

@@ -54,6 +54,10 @@ class ReleaseFormat:
     `fill_state`, `needed` (release names <-> ours)."""
     release_weights: Callable[[nn.Module], list[Any]]
     """model -> its weights kept as released (`ReleaseWeight`), empty when none are."""
+    release_rounding: Callable[..., Any] | None = None
+    """(rank module, model config) -> its weights the release stores quantized, each with its
+    release rounding (`models/common/quant_aware.QuantAware`: `train.quant_aware: release`);
+    None: the family's releases store no quantized weight."""
     peft: Any = None
     """The PEFT export's module names when they are the family's own (a module with
     `KEY_PREFIX`, `block_tensors`, `router_tensors`, `adapter_config`, as export/peft.py has);

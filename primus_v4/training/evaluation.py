@@ -13,6 +13,7 @@ stage's sums are summed over the pipeline, so every rank reports the same number
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -47,6 +48,20 @@ class Evaluator:
         mine = [self._row(i) for i in range(dp_rank, self.num_rows, dp_size)]
         return mine, math.ceil(self.num_rows / dp_size)
 
+    def _forwards(self, trainer: Any, rows: list[ThdBatch], forwards: int, step_loss: Any) -> None:
+        for k in range(forwards):
+            row = rows[k] if k < len(rows) else self._row(0)
+            counted = k < len(rows)  # the padding forward of a short share is not counted
+            inputs = trainer.model_inputs(row)
+            if trainer.pipeline is not None:
+                trainer.pipeline.forward_only(
+                    inputs, step_loss if counted else None, samples=row.num_samples
+                )
+                continue
+            out = trainer.model(**inputs)
+            if counted:
+                step_loss.objective(out, samples=row.num_samples)
+
     @torch.no_grad()
     def run(self, trainer: Any) -> dict[str, float]:
         """{"eval_loss", "eval_mtp_loss"} of the trainer's current weights."""
@@ -55,19 +70,11 @@ class Evaluator:
         step_loss = StepLoss(trainer.token_counts(rows), mtp_scale=trainer.mtp_scale)
         was_training = trainer.model.training
         trainer.model.eval()
+        # the weights as training uses them (train.quant_aware=release: as the release stores)
+        quantized = getattr(trainer, "quantized", contextlib.nullcontext)
         try:
-            for k in range(forwards):
-                row = rows[k] if k < len(rows) else self._row(0)
-                counted = k < len(rows)  # the padding forward of a short share is not counted
-                inputs = trainer.model_inputs(row)
-                if trainer.pipeline is not None:
-                    trainer.pipeline.forward_only(
-                        inputs, step_loss if counted else None, samples=row.num_samples
-                    )
-                    continue
-                out = trainer.model(**inputs)
-                if counted:
-                    step_loss.objective(out, samples=row.num_samples)
+            with quantized():
+                self._forwards(trainer, rows, forwards, step_loss)
         finally:
             trainer.model.train(was_training)
         if trainer.pipeline is not None:

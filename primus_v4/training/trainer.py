@@ -17,6 +17,7 @@ Where the parallel pieces plug in (identities in one process):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -178,6 +179,7 @@ class Trainer:
         self._release_reads: ReadRecord | None = None
         self.model = self._parallelize(model)
         self._check_release_reads()
+        self.quant = self._quant_aware()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(
             run, self.model, self.runtime.ctx, self.total_steps
@@ -240,6 +242,22 @@ class Trainer:
         self._drawn = built.drawn
         self.pipeline: Any = built.pipeline
         return built.model
+
+    def _quant_aware(self) -> Any:
+        """train.quant_aware=release: the rank's weights the release stores FP8 / FP4, each
+        with its release rounding (models/common/quant_aware.py); None otherwise."""
+        if self.cfg.train.quant_aware == "none":
+            return None
+        quant = self.spec.release.release_rounding(self.model, self.run.model)
+        log.info("train.quant_aware=release: %d weights (%d values) used as the release "
+                 "stores them (FP8 / FP4), gradients straight through", len(quant),
+                 quant.numel())  # fmt: skip
+        return quant
+
+    def quantized(self) -> Any:
+        """The context of a step's (and an evaluation's) forwards and backwards: the weights as
+        the release stores them under train.quant_aware=release, else as they are."""
+        return self.quant.applied() if self.quant is not None else contextlib.nullcontext()
 
     def _seed_masters(self) -> None:
         """A random-init run in a low-precision dtype: the fp32 masters start from the float32
@@ -318,16 +336,17 @@ class Trainer:
         counts = self.token_counts(rows)
         step_loss = StepLoss(counts, mtp_scale=self.mtp_scale)
         self.optimizer.begin(len(rows))  # buckets reduce as the last micro-batch's backward ends
-        if self.pipeline is not None:
-            self.pipeline.run(
-                [self.model_inputs(row) for row in rows],
-                step_loss,
-                samples=[row.num_samples for row in rows],
-            )
-        else:
-            for row in rows:
-                out = self.model(**self.model_inputs(row))
-                step_loss.objective(out, samples=row.num_samples).backward()
+        with self.quantized():
+            if self.pipeline is not None:
+                self.pipeline.run(
+                    [self.model_inputs(row) for row in rows],
+                    step_loss,
+                    samples=[row.num_samples for row in rows],
+                )
+            else:
+                for row in rows:
+                    out = self.model(**self.model_inputs(row))
+                    step_loss.objective(out, samples=row.num_samples).backward()
         # Every trainable parameter has an fp32 gradient (zeros when no token reached it, e.g.
         # an expert nobody routed to), summed over its replicas into this rank's shard.
         self.optimizer.reduce_gradients()

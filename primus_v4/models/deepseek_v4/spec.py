@@ -17,7 +17,7 @@ from primus_v4.models.deepseek_v4.model import DeepseekV4Model
 from primus_v4.models.deepseek_v4.params import param_counts
 from primus_v4.models.deepseek_v4.release import config_json, load, save
 from primus_v4.models.deepseek_v4.release import state_dict_adapter as names
-from primus_v4.models.deepseek_v4.release.kept_base import keep_release_base
+from primus_v4.models.deepseek_v4.release.kept_base import keep_release_base, release_rounding
 from primus_v4.models.deepseek_v4.router_bias import RouterBiasUpdate
 from primus_v4.models.model_spec import MemoryTerms, ModelSpec, ReleaseFormat, StepHook
 
@@ -65,6 +65,7 @@ SPEC = ModelSpec(
         write_state=save.write_release_state,
         names=names,
         release_weights=lambda model: list(release_weights(model)),
+        release_rounding=release_rounding,
     ),
     memory=MemoryTerms(layer_parts=_layer_parts, layer_role=lambda cfg, i: cfg.layer_kind(i)),
 )

@@ -23,7 +23,7 @@ from primus_v4.models.deepseek_v41.model import DeepseekV41Model
 from primus_v4.models.deepseek_v41.params import param_counts
 from primus_v4.models.deepseek_v41.release import config_json, export, load
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as names
-from primus_v4.models.deepseek_v41.release.kept_base import keep_release_base
+from primus_v4.models.deepseek_v41.release.kept_base import keep_release_base, release_rounding
 from primus_v4.models.deepseek_v41.speculate import speculate
 from primus_v4.models.model_spec import MemoryTerms, ModelSpec, ReleaseFormat
 
@@ -71,6 +71,7 @@ SPEC = ModelSpec(
         write_state=export.write_state,
         names=names,
         release_weights=lambda model: list(release_weights(model)),
+        release_rounding=release_rounding,
         peft=peft,
         saved_as=names.saved_as,
     ),

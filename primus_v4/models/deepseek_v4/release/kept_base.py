@@ -32,6 +32,7 @@ from torch import nn
 
 from primus_v4.checkpoint_formats.fp8_fp4 import quantize_fp4, quantize_fp8
 from primus_v4.models.common.kept_base import ReleaseWeight, install
+from primus_v4.models.common.quant_aware import QuantAware, RoundedWeight
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.release import state_dict_adapter as adapter
 
@@ -64,3 +65,25 @@ def keep_release_base(model: nn.Module, cfg: DeepseekV4Config, *, dtype: torch.d
         install(model, name, param, source)
         replaced += 1
     return replaced
+
+
+def release_rounding(model: nn.Module, cfg: DeepseekV4Config) -> QuantAware:
+    """Every parameter of `model` the release stores FP8 / FP4 (as `keep_release_base` keeps),
+    each with its release rounding: quantized as the release's writer quantizes each part,
+    decoded as the loader decodes it (models/common/quant_aware.py)."""
+    table = adapter.name_table(cfg)
+    out = []
+    for name, param in model.named_parameters():
+        entry = table.get(name)
+        kinds = {r.kind for r in entry.release} if entry is not None else set()
+        if not kinds or not kinds <= {"fp8", "fp4"} or not param.requires_grad:
+            continue
+
+        def rounding(value: torch.Tensor, entry: adapter.TableEntry = entry) -> torch.Tensor:
+            source = ReleaseWeight(entry, shape=tuple(value.shape), dtype=torch.float32,
+                                   device="cpu")  # fmt: skip
+            _quantize_into(source, entry, value)
+            return source().to(value.device)
+
+        out.append(RoundedWeight(name, param, rounding))
+    return QuantAware(out)

@@ -18,6 +18,7 @@ from torch import nn
 
 from primus_v4.checkpoint_formats.fp8_fp4 import quantize
 from primus_v4.models.common.kept_base import ReleaseWeight, install
+from primus_v4.models.common.quant_aware import QuantAware, RoundedWeight
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as adapter
 from primus_v4.models.deepseek_v41.release.tensors import FORMATS
@@ -73,3 +74,24 @@ def keep_release_base(model: nn.Module, cfg: DeepseekV41Config, *, dtype: torch.
         install(model, name, param, source)
         replaced += 1
     return replaced
+
+
+def release_rounding(model: nn.Module, cfg: DeepseekV41Config) -> QuantAware:
+    """Every parameter of `model` the release stores FP8 / FP4 (as `keep_release_base` keeps),
+    each with its release rounding: quantized as the release's writer quantizes each part,
+    decoded as the loader decodes it (models/common/quant_aware.py)."""
+    table = adapter.name_table(cfg)
+    out = []
+    for name, param in model.named_parameters():
+        entry = table.get(name)
+        if entry is None or entry.kind not in KEPT or not param.requires_grad:
+            continue
+
+        def rounding(value: torch.Tensor, entry: adapter.Entry = entry) -> torch.Tensor:
+            source = ReleaseWeight(stored_entry(entry), shape=tuple(value.shape),
+                                   dtype=torch.float32, device="cpu", formats=FORMATS)  # fmt: skip
+            _quantize_into(source, entry, value)
+            return source().to(value.device)
+
+        out.append(RoundedWeight(name, param, rounding))
+    return QuantAware(out)

@@ -1,0 +1,63 @@
+"""Quantization-aware training in the release's own formats (`train.quant_aware: release`): the
+forward and backward of a step use every weight the release stores FP8 / FP4 as the release
+would store it, with a straight-through gradient into the full-precision weight.
+
+How: for the step's forwards and backwards (and an evaluation), each such parameter's data is
+swapped for its release rounding (`rounding(w)`: the release writer's quantization of each of
+its release parts, `checkpoint_formats.fp8_fp4.quantize`, decoded back by the loader's
+`dequantize`; models/<family>/release/kept_base.py builds it on the family's name table and
+block shapes), then swapped back before the optimizer step. The gradient autograd computes is
+the plain backward evaluated at the quantized weights, and it lands on the parameter (and its
+fp32 master) unchanged: the straight-through estimator. The weights themselves keep full
+precision.
+
+Cost: one quantize + dequantize of each such weight per step (on the CPU, where the writer
+quantizes), and the rounded copy held beside the weight for the step (one model-dtype copy of
+the quantized weights, transient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+Rounding = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RoundedWeight:
+    name: str
+    param: nn.Parameter
+    rounding: Rounding
+
+
+class QuantAware:
+    """The rank's weights the release stores quantized, each with its release rounding."""
+
+    def __init__(self, weights: list[RoundedWeight]) -> None:
+        self.weights = weights
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def numel(self) -> int:
+        return sum(w.param.numel() for w in self.weights)
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """Within: every weight holds its release rounding (gradients flow to it unchanged);
+        after: the full-precision values again, untouched."""
+        kept: list[torch.Tensor] = []
+        try:
+            with torch.no_grad():
+                for w in self.weights:
+                    kept.append(w.param.data)
+                    w.param.data = w.rounding(w.param.data).to(w.param.dtype)
+            yield
+        finally:
+            for w, data in zip(self.weights, kept, strict=False):
+                w.param.data = data
