@@ -18,9 +18,10 @@ the quantized weights, transient).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,3 +62,27 @@ class QuantAware:
         finally:
             for w, data in zip(self.weights, kept, strict=False):
                 w.param.data = data
+
+
+def release_rounding_of(
+    model: nn.Module,
+    entries: Mapping[str, Any],
+    source_of: Callable[[Any, tuple[int, ...]], nn.Module],
+    quantize_into: Callable[[nn.Module, Any, torch.Tensor], None],
+) -> QuantAware:
+    """The trainable parameters of `model` named in `entries` (their name-table entries: the
+    ones the release stores FP8 / FP4), each rounded as a family's kept base stores it:
+    `quantize_into(source_of(entry, shape), entry, value)`, then that `ReleaseWeight` decoded."""
+    out = []
+    for name, param in model.named_parameters():
+        entry = entries.get(name)
+        if entry is None or not param.requires_grad:
+            continue
+
+        def rounding(value: torch.Tensor, entry: Any = entry) -> torch.Tensor:
+            source = source_of(entry, tuple(value.shape))
+            quantize_into(source, entry, value)
+            return source().to(value.device)
+
+        out.append(RoundedWeight(name, param, rounding))
+    return QuantAware(out)

@@ -32,7 +32,7 @@ from torch import nn
 
 from primus_v4.checkpoint_formats.fp8_fp4 import quantize_fp4, quantize_fp8
 from primus_v4.models.common.kept_base import ReleaseWeight, install
-from primus_v4.models.common.quant_aware import QuantAware, RoundedWeight
+from primus_v4.models.common.quant_aware import QuantAware, release_rounding_of
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.release import state_dict_adapter as adapter
 
@@ -71,19 +71,10 @@ def release_rounding(model: nn.Module, cfg: DeepseekV4Config) -> QuantAware:
     """Every parameter of `model` the release stores FP8 / FP4 (as `keep_release_base` keeps),
     each with its release rounding: quantized as the release's writer quantizes each part,
     decoded as the loader decodes it (models/common/quant_aware.py)."""
-    table = adapter.name_table(cfg)
-    out = []
-    for name, param in model.named_parameters():
-        entry = table.get(name)
-        kinds = {r.kind for r in entry.release} if entry is not None else set()
-        if not kinds or not kinds <= {"fp8", "fp4"} or not param.requires_grad:
-            continue
+    entries = {n: e for n, e in adapter.name_table(cfg).items()
+               if e.release and {r.kind for r in e.release} <= {"fp8", "fp4"}}  # fmt: skip
 
-        def rounding(value: torch.Tensor, entry: adapter.TableEntry = entry) -> torch.Tensor:
-            source = ReleaseWeight(entry, shape=tuple(value.shape), dtype=torch.float32,
-                                   device="cpu")  # fmt: skip
-            _quantize_into(source, entry, value)
-            return source().to(value.device)
+    def source_of(entry: adapter.TableEntry, shape: tuple[int, ...]) -> ReleaseWeight:
+        return ReleaseWeight(entry, shape=shape, dtype=torch.float32, device="cpu")
 
-        out.append(RoundedWeight(name, param, rounding))
-    return QuantAware(out)
+    return release_rounding_of(model, entries, source_of, _quantize_into)

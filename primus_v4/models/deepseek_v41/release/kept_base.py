@@ -18,7 +18,7 @@ from torch import nn
 
 from primus_v4.checkpoint_formats.fp8_fp4 import quantize
 from primus_v4.models.common.kept_base import ReleaseWeight, install
-from primus_v4.models.common.quant_aware import QuantAware, RoundedWeight
+from primus_v4.models.common.quant_aware import QuantAware, release_rounding_of
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
 from primus_v4.models.deepseek_v41.release import state_dict_adapter as adapter
 from primus_v4.models.deepseek_v41.release.tensors import FORMATS
@@ -80,18 +80,10 @@ def release_rounding(model: nn.Module, cfg: DeepseekV41Config) -> QuantAware:
     """Every parameter of `model` the release stores FP8 / FP4 (as `keep_release_base` keeps),
     each with its release rounding: quantized as the release's writer quantizes each part,
     decoded as the loader decodes it (models/common/quant_aware.py)."""
-    table = adapter.name_table(cfg)
-    out = []
-    for name, param in model.named_parameters():
-        entry = table.get(name)
-        if entry is None or entry.kind not in KEPT or not param.requires_grad:
-            continue
+    entries = {n: e for n, e in adapter.name_table(cfg).items() if e.kind in KEPT}
 
-        def rounding(value: torch.Tensor, entry: adapter.Entry = entry) -> torch.Tensor:
-            source = ReleaseWeight(stored_entry(entry), shape=tuple(value.shape),
-                                   dtype=torch.float32, device="cpu", formats=FORMATS)  # fmt: skip
-            _quantize_into(source, entry, value)
-            return source().to(value.device)
+    def source_of(entry: adapter.Entry, shape: tuple[int, ...]) -> ReleaseWeight:
+        return ReleaseWeight(stored_entry(entry), shape=shape, dtype=torch.float32,
+                             device="cpu", formats=FORMATS)  # fmt: skip
 
-        out.append(RoundedWeight(name, param, rounding))
-    return QuantAware(out)
+    return release_rounding_of(model, entries, source_of, _quantize_into)
