@@ -9,7 +9,8 @@ its release parts, `checkpoint_formats.fp8_fp4.quantize`, decoded back by the lo
 block shapes), then swapped back before the optimizer step. The gradient autograd computes is
 the plain backward evaluated at the quantized weights, and it lands on the parameter (and its
 fp32 master) unchanged: the straight-through estimator. The weights themselves keep full
-precision.
+precision. A weight the release stores bf16 is used rounded to bf16 when the run holds it wider
+(float32 on a CPU; a bf16 run holds it so already); float32 ones are used as they are.
 
 Cost: one quantize + dequantize of each such weight per step (on the CPU, where the writer
 quantizes), and the rounded copy held beside the weight for the step (one model-dtype copy of
@@ -69,12 +70,18 @@ def release_rounding_of(
     entries: Mapping[str, Any],
     source_of: Callable[[Any, tuple[int, ...]], nn.Module],
     quantize_into: Callable[[nn.Module, Any, torch.Tensor], None],
+    bf16: frozenset[str] = frozenset(),
 ) -> QuantAware:
     """The trainable parameters of `model` named in `entries` (their name-table entries: the
     ones the release stores FP8 / FP4), each rounded as a family's kept base stores it:
-    `quantize_into(source_of(entry, shape), entry, value)`, then that `ReleaseWeight` decoded."""
+    `quantize_into(source_of(entry, shape), entry, value)`, then that `ReleaseWeight` decoded;
+    and those named in `bf16` (stored bf16 by the release) rounded to bf16 when they are held
+    wider (a float32 run)."""
     out = []
     for name, param in model.named_parameters():
+        if name in bf16 and param.requires_grad and param.dtype != torch.bfloat16:
+            out.append(RoundedWeight(name, param, _to_bf16))
+            continue
         entry = entries.get(name)
         if entry is None or not param.requires_grad:
             continue
@@ -86,3 +93,7 @@ def release_rounding_of(
 
         out.append(RoundedWeight(name, param, rounding))
     return QuantAware(out)
+
+
+def _to_bf16(value: torch.Tensor) -> torch.Tensor:
+    return value.to(torch.bfloat16).to(value.dtype)

@@ -154,3 +154,37 @@ def test_what_is_not_implemented_yet_is_refused(tmp_path: Path, extra, world, me
     items = ["train.quant_aware=release", f"output.dir={tmp_path}", *extra]
     with pytest.raises(ConfigError, match=message):
         resolve_run(load_config(overrides=items), world=world)
+
+
+def test_the_fp8_export_of_a_quant_aware_run_is_the_model_that_trained(tmp_path: Path) -> None:
+    """The export's weights are the rounding the run's next forward uses: its logits equal the
+    run's own (quantized) forward, and its held-out loss the run's final eval loss."""
+    from primus_v4.export.run import export_checkpoint, find_source
+
+    held_out = FakeCorpus([[120, 100], [200], [90, 90, 60]], seed=7)
+    run = resolve_run(load_config(overrides=[
+        "model.preset=null", f"model.pretrained={V41}", f"data.seq_length={SEQ}",
+        f"output.dir={tmp_path / 'run'}", "output.progress_bar=false", "train.shuffle=false",
+        "train.steps=2", "train.warmup_steps=1", "train.global_batch_size=1",
+        "train.quant_aware=release", f"checkpoint.dir={tmp_path / 'ckpt'}",
+        "checkpoint.interval=2", "train.eval_interval=2",
+    ]), world=1)  # fmt: skip
+    trainer = Trainer(run, corpus=FakeCorpus(RAGGED_PACKS), eval_corpus=held_out)
+    final = trainer.train().rows[-1]
+    export_checkpoint(find_source(tmp_path / "ckpt"), tmp_path / "out", dtype="fp8")
+    exported = load_pretrained(tmp_path / "out", dtype=torch.float32, progress=False)
+    loss_sum, supervised, worst = 0.0, 0, 0.0
+    for i in range(len(held_out)):
+        inputs = trainer.model_inputs(held_out.thd_batch(i))
+        inputs.pop("comm")
+        with torch.no_grad(), trainer.quantized():
+            want = trainer.model(**{**inputs, "labels": None}).logits
+        with torch.no_grad():
+            got = exported(**{**inputs, "labels": None}).logits
+            loss_sum += float(exported(**inputs).loss_sum)
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        supervised += held_out.thd_batch(i).num_supervised
+    print(f"export vs run: worst logit {worst:.2e} of the largest; held-out loss "
+          f"{loss_sum / supervised!r} vs the run's final eval loss {final.eval_loss!r}")
+    assert worst <= 1e-6, worst
+    assert loss_sum / supervised == pytest.approx(final.eval_loss, rel=1e-6, abs=0)

@@ -77,4 +77,6 @@ def release_rounding(model: nn.Module, cfg: DeepseekV4Config) -> QuantAware:
     def source_of(entry: adapter.TableEntry, shape: tuple[int, ...]) -> ReleaseWeight:
         return ReleaseWeight(entry, shape=shape, dtype=torch.float32, device="cpu")
 
-    return release_rounding_of(model, entries, source_of, _quantize_into)
+    bf16 = frozenset(n for n, e in adapter.name_table(cfg).items()
+                     if e.release and {r.kind for r in e.release} == {"bf16"})  # fmt: skip
+    return release_rounding_of(model, entries, source_of, _quantize_into, bf16=bf16)

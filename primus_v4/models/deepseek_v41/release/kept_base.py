@@ -86,4 +86,5 @@ def release_rounding(model: nn.Module, cfg: DeepseekV41Config) -> QuantAware:
         return ReleaseWeight(stored_entry(entry), shape=shape, dtype=torch.float32,
                              device="cpu", formats=FORMATS)  # fmt: skip
 
-    return release_rounding_of(model, entries, source_of, _quantize_into)
+    bf16 = frozenset(n for n, e in adapter.name_table(cfg).items() if e.kind == "bf16")
+    return release_rounding_of(model, entries, source_of, _quantize_into, bf16=bf16)
