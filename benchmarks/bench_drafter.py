@@ -23,72 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+from rule_corpus import SEQ, RuleCorpus
 
 from primus_v4.config import load_config, resolve_run
-from primus_v4.data.packed_corpus import layout, to_thd_batch
-from primus_v4.data.thd import ThdBatch
 from primus_v4.export.run import export_checkpoint, find_source
 from primus_v4.models.deepseek_v41.release.load import load_pretrained
 from primus_v4.models.deepseek_v41.speculate import speculate_model
 from primus_v4.training.trainer import Trainer
 
 RELEASE = Path(__file__).resolve().parents[1] / "tests/fixtures/dsv41_dspark_golden/checkpoint"
-SEQ = 256
-MOD = 509
-RULES = {"A": (5, 11), "B": (7, 3)}
-
-
-class RuleCorpus:
-    """Packs of samples following `next = (mult * t + add) mod 509` (10% of tokens random); the
-    first quarter of each sample is the prompt, the rest the supervised response."""
-
-    def __init__(self, rule: str, *, packs: int, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        mult, add = RULES[rule]
-        self.samples: list[tuple[np.ndarray, np.ndarray]] = []
-        self.offsets = [0]
-        for _ in range(packs):
-            left = SEQ
-            while left >= 40:
-                n = int(rng.integers(40, min(120, left) + 1))
-                tokens = np.empty(n, dtype=np.int64)
-                tokens[0] = rng.integers(1, MOD)
-                for i in range(1, n):
-                    rule_next = (mult * tokens[i - 1] + add) % MOD
-                    tokens[i] = rng.integers(1, MOD) if rng.random() < 0.1 else rule_next
-                targets = np.zeros(n, dtype=bool)
-                targets[n // 4 :] = True
-                self.samples.append((tokens, targets))
-                left -= n
-            self.offsets.append(len(self.samples))
-        self.stats = {"packs": packs, "samples": len(self.samples)}
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.samples)
-
-    def pack_sample_range(self, i: int) -> tuple[int, int]:
-        return self.offsets[i], self.offsets[i + 1]
-
-    def _row(self, first: int, stop: int) -> ThdBatch:
-        chosen = self.samples[first:stop]
-        return to_thd_batch(layout(np.concatenate([t for t, _ in chosen]),
-                                   np.concatenate([m for _, m in chosen]),
-                                   np.array([len(t) for t, _ in chosen]), seq_length=SEQ,
-                                   pad_id=0))  # fmt: skip
-
-    def thd_batch(self, i: int) -> ThdBatch:
-        return self._row(*self.pack_sample_range(i))
-
-    def bshd_batch(self, j: int) -> ThdBatch:
-        return self._row(j, j + 1)
-
-    def prompts(self, count: int) -> list[list[int]]:
-        return [t[: len(t) // 4].tolist() for t, _ in self.samples[:count]]
 
 
 def train(

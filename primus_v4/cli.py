@@ -101,6 +101,26 @@ def _stdout_closed() -> int:
     return ExitCode.SIGNAL_BASE + signal.SIGPIPE
 
 
+def _interrupted(exc: BaseException) -> bool:
+    """A Ctrl-C however it arrives: itself, the cause or context of another error, or one rank's
+    failure that a checkpoint read or write wraps (torch's CheckpointException `failures`)."""
+    todo: list[BaseException | None] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        for failure in failures.values() if isinstance(failures, dict) else ():
+            if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
+                todo.append(failure[0])
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module = importlib.import_module(f"primus_v4.commands.{_COMMANDS[args.command][0]}")
@@ -120,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED
     except BaseException as exc:  # torch's CheckpointException is a BaseException too
+        if _interrupted(exc):  # a Ctrl-C that a library wrapped in its own error
+            print("interrupted", file=sys.stderr)
+            return ExitCode.INTERRUPTED
         traceback = os.environ.get("PRIMUS_V4_TRACEBACK", "0") not in ("", "0")
         if traceback or isinstance(exc, (SystemExit, GeneratorExit)):
             raise

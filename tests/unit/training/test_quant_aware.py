@@ -184,7 +184,9 @@ def test_the_fp8_export_of_a_quant_aware_run_is_the_model_that_trained(tmp_path:
             loss_sum += float(exported(**inputs).loss_sum)
         worst = max(worst, float((got - want).abs().max() / want.abs().max()))
         supervised += held_out.thd_batch(i).num_supervised
-    print(f"export vs run: worst logit {worst:.2e} of the largest; held-out loss "
-          f"{loss_sum / supervised!r} vs the run's final eval loss {final.eval_loss!r}")
+    print(
+        f"export vs run: worst logit {worst:.2e} of the largest; held-out loss "
+        f"{loss_sum / supervised!r} vs the run's final eval loss {final.eval_loss!r}"
+    )
     assert worst <= 1e-6, worst
     assert loss_sum / supervised == pytest.approx(final.eval_loss, rel=1e-6, abs=0)

@@ -1,0 +1,97 @@
+"""How much of a fine-tune does the served FP8 / FP4 export keep, with and without
+quantization-aware training (`train.quant_aware: release`)? Full fine-tuning of the tiny V4.1
+release (tests/fixtures/dsv41_dspark_golden, FP8 32 x 32 + FP4 experts) on corpus B of
+benchmarks/rule_corpus.py, CPU, float32. For each learning rate and mode, side by side, the
+held-out loss of:
+
+  base       the release;
+  trained    the fine-tune as it trained (with the mode: its quantized forward);
+  bf16       its bf16 export;
+  fp8        its FP8 / FP4 export (what a server loads);
+
+and the share of the fine-tune's gain (base - trained) that the fp8 export keeps. Then the mean
+step time of the mode against the plain step.
+
+    python benchmarks/bench_quant_aware.py [--steps 16] [--lrs 3e-4,3e-5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+from rule_corpus import SEQ, RuleCorpus
+
+from primus_v4 import load_pretrained
+from primus_v4.config import load_config, resolve_run
+from primus_v4.export.run import export_checkpoint, find_source
+from primus_v4.training.trainer import Trainer
+
+RELEASE = Path(__file__).resolve().parents[1] / "tests/fixtures/dsv41_dspark_golden/checkpoint"
+
+
+def held_out_loss(model: torch.nn.Module, corpus: RuleCorpus, trainer: Trainer) -> float:
+    total, supervised = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(corpus)):
+            batch = corpus.thd_batch(i)
+            inputs = trainer.model_inputs(batch)
+            inputs.pop("comm")
+            total += float(model(**inputs).loss_sum)
+            supervised += batch.num_supervised
+    return total / supervised
+
+
+def run(mode: str, lr: float, steps: int, tmp: Path, train: RuleCorpus, held: RuleCorpus) -> dict:
+    items = [
+        "model.preset=null", f"model.pretrained={RELEASE}", f"data.seq_length={SEQ}",
+        f"output.dir={tmp / 'run'}", "output.progress_bar=false", "output.plot=false",
+        f"train.steps={steps}", "train.warmup_steps=2", "train.global_batch_size=2",
+        f"train.lr={lr}", f"train.min_lr={lr}", f"train.quant_aware={mode}",
+        f"checkpoint.dir={tmp / 'ckpt'}", f"checkpoint.interval={steps}",
+    ]  # fmt: skip
+    trainer = Trainer(resolve_run(load_config(overrides=items), world=1), corpus=train)
+    rows = trainer.train().rows
+    out = {"step_s": sum(r.step_seconds for r in rows[1:]) / max(len(rows) - 1, 1)}
+    with trainer.quantized():
+        out["trained"] = held_out_loss(trainer.model, held, trainer)
+    for dtype in ("bfloat16", "fp8"):
+        export_checkpoint(find_source(tmp / "ckpt"), tmp / dtype, dtype=dtype)
+        model = load_pretrained(tmp / dtype, dtype=torch.float32, progress=False)
+        out[dtype] = held_out_loss(model, held, trainer)
+    out["trainer"] = trainer
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--lrs", default="3e-4,3e-5")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    train, held = RuleCorpus("B", packs=32, seed=1), RuleCorpus("B", packs=4, seed=11)
+    print(f"held-out loss, full fine-tuning of the tiny V4.1 release, {args.steps} steps")
+    print(f"{'lr':>7} {'mode':>8} {'base':>8} {'trained':>8} {'bf16':>8} {'fp8':>8} "
+          f"{'fp8 keeps':>10} {'step s':>7}")  # fmt: skip
+    times: dict[str, list[float]] = {"none": [], "release": []}
+    base = None
+    for lr in (float(x) for x in args.lrs.split(",")):
+        for mode in ("none", "release"):
+            with tempfile.TemporaryDirectory() as tmp:
+                r = run(mode, lr, args.steps, Path(tmp), train, held)
+            if base is None:
+                model = load_pretrained(RELEASE, dtype=torch.float32, progress=False)
+                base = held_out_loss(model, held, r["trainer"])
+            gain = base - r["trained"]
+            keeps = (base - r["fp8"]) / gain if gain else float("nan")
+            times[mode].append(r["step_s"])
+            print(f"{lr:>7.0e} {mode:>8} {base:>8.4f} {r['trained']:>8.4f} {r['bfloat16']:>8.4f} "
+                  f"{r['fp8']:>8.4f} {keeps:>10.3f} {r['step_s']:>7.3f}")  # fmt: skip
+    plain, qat = (sum(times[m]) / len(times[m]) for m in ("none", "release"))
+    print(f"step time: quant_aware=release {qat:.3f} s vs none {plain:.3f} s ({qat / plain:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
