@@ -95,9 +95,15 @@ class CorpusSource:
         """The files of a directory source (sorted, recursive), or the one file."""
         if self.kind != "dir":
             return [self.path]
-        files = sorted(
-            p for p in self.path.rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES
-        )
+        named = sorted(p for p in self.path.rglob("*") if p.suffix.lower() in LOCAL_SUFFIXES)
+        odd = [p for p in named if not p.is_file() and not p.is_dir()]
+        if odd:  # a FIFO, socket or device named like a shard: never read, never skipped quietly
+            raise DataError(
+                f"corpus directory {self.path}: {odd[0].relative_to(self.path)} is named like a "
+                "shard but is not a regular file (a FIFO, socket or device); remove it or move "
+                "it out of the corpus"
+            )
+        files = [p for p in named if p.is_file()]
         if not files:
             raise DataError(
                 f"corpus directory {self.path} holds no {', '.join(LOCAL_SUFFIXES)} shard"

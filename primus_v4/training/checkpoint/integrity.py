@@ -167,6 +167,12 @@ def _header(directory: Path, needs_config: bool) -> tuple[list[str], dict[str, A
         # came first), so a missing one means a damaged or partly copied checkpoint.
         return [f"{directory / MANIFEST}: missing (every checkpoint of layout {MODEL_LAYOUT} is "
                 "written with one): the files cannot be checked"], {}  # fmt: skip
+    unlisted = [n for n in _listed_files(directory) if n not in files]
+    if unlisted:  # a file added after the save: the manifest does not vouch for the directory
+        return [
+            f"{directory / unlisted[0]}: not in {MANIFEST} ({len(unlisted)} file(s) the "
+            "save did not write); remove what was added, or restore the checkpoint"
+        ], {}
     if needs_config and CONFIG_FILE not in files:
         return [f"{directory}: stores no {CONFIG_FILE} of its own, so the run (and model) it "
                 "holds is unknown"], {}  # fmt: skip

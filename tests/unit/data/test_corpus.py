@@ -100,3 +100,20 @@ def test_a_utf8_bom_is_not_a_row(tmp_path: Path) -> None:
         path = tmp_path / name
         path.write_bytes(b"\xef\xbb\xbf" + body.encode() + b"\n")
         assert [r.value for r in read_rows(resolve_source(str(path)))] == [row], name
+
+
+def test_a_fifo_named_like_a_shard_is_refused_not_skipped(tmp_path: Path) -> None:
+    import os
+
+    corpus = tmp_path / "corpus"
+    (corpus / "part").mkdir(parents=True)
+    (corpus / "a.jsonl").write_text(json.dumps({"instruction": "x", "output": "y"}) + "\n")
+    os.mkfifo(corpus / "part" / "b.jsonl")
+    with pytest.raises(DataError) as err:
+        resolve_source(str(corpus)).shards()
+    assert str(err.value) == (
+        f"corpus directory {corpus}: part/b.jsonl is named like a shard but is not a regular "
+        "file (a FIFO, socket or device); remove it or move it out of the corpus"
+    )
+    (corpus / "part" / "b.jsonl").unlink()
+    assert [p.name for p in resolve_source(str(corpus)).shards()] == ["a.jsonl"]

@@ -118,6 +118,12 @@ def test_inspect_checkpoint_verify(full: Path, tmp_path: Path, capsys) -> None:
     shutil.copytree(step_dir(full / "ckpt", 2), one)
     assert main(["inspect", "checkpoint", str(one), "--verify"]) == 0
     assert "verified" in capsys.readouterr().out
+    (one / "extra").mkdir()
+    (one / "extra" / "notes.bin").write_bytes(b"added later")
+    assert main(["inspect", "checkpoint", str(one), "--verify"]) == 1
+    assert f"{one / 'extra/notes.bin'}: not in MANIFEST.json (1 file(s) the save did not " \
+        "write)" in capsys.readouterr().out  # fmt: skip
+    (one / "extra" / "notes.bin").unlink()
     (one / ".metadata").write_bytes((one / ".metadata").read_bytes() + b"x")
     assert main(["inspect", "checkpoint", str(one), "--verify"]) == 1
     assert f"{one / '.metadata'}: truncated or resized" in capsys.readouterr().out

@@ -114,6 +114,11 @@ def text_config(d: dict[str, Any], source: str) -> dict[str, Any]:
     """The text model's keys of a V4.1 config.json (composite or already the text part); the
     keys beside `text_config` are checked."""
     if "text_config" not in d:
+        if d.get("model_type") == "deepseek_v41":  # the composite's type, not the text part's
+            raise CheckpointFormatError(
+                f"{source}: no text_config: a DeepSeek-V4.1 config.json (model_type "
+                "deepseek_v41) holds the text model's keys under text_config"
+            )
         return d
     text = d["text_config"]
     if not isinstance(text, dict):

@@ -163,6 +163,11 @@ REFUSED = {
         lambda d: d.__setitem__("audio_config", {}),
         "unknown config.json key 'audio_config'",
     ),
+    "no text_config": (
+        lambda d: d.pop("text_config"),
+        "no text_config: a DeepSeek-V4.1 config.json (model_type deepseek_v41) holds the text "
+        "model's keys under text_config",
+    ),
     "another quantization block": (
         lambda d: d["quantization_config"].__setitem__("weight_block_size", [128, 128]),
         "quantization_config.weight_block_size = [128, 128]; the DeepSeek-V4.1 release stores "
