@@ -39,6 +39,23 @@ def tracker_missing(tracker: str) -> str:
     )
 
 
+def tracker_broken(tracker: str) -> str | None:
+    """The one line for a tracker package that is installed but fails to import (the run would
+    stop there after packing and building); None when it imports (or no tracker is chosen)."""
+    module = TRACKER_MODULES.get(tracker)
+    if module is None:
+        return None
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # whatever the broken package raises
+        return (
+            f"output.tracker: {tracker}: the {module} package is installed but fails to import "
+            f"({type(exc).__name__}: {exc}); reinstall it (pip install 'primus_v4[{tracker}]') "
+            "or set output.tracker=none"
+        )
+    return None
+
+
 def run_directories(cfg: RunConfig) -> dict[str, Path]:
     """The directories a run writes, by the config key that sets them (defaults resolved)."""
     dirs = {"output.dir": Path(cfg.output.dir)}
@@ -75,6 +92,8 @@ def path_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"data.tokenizer: {exc}")
     if not tracker_available(cfg.output.tracker):
         problems.append(tracker_missing(cfg.output.tracker))
+    elif (broken := tracker_broken(cfg.output.tracker)) is not None:
+        problems.append(broken)
     online = cfg.output.tracker_mode == "online"
     if cfg.output.tracker == "mlflow" and online and not os.environ.get("MLFLOW_TRACKING_URI"):
         problems.append(

@@ -8,6 +8,7 @@ Layout (megatron-core, tp = etp = 1):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from primus_v4.config.schema import RunConfig
 from primus_v4.data import chat_format
 from primus_v4.data.pipeline import PackSpec
+from primus_v4.data.tokenizer import resolve_tokenizer_dir
 from primus_v4.errors import CheckpointFormatError, ConfigError, DataError
 from primus_v4.log import get_logger
 from primus_v4.models import (
@@ -461,6 +463,33 @@ def check_pretrained(cfg: RunConfig, model: Any) -> None:
         ) from None
 
 
+@functools.lru_cache(maxsize=8)
+def _tokenizer_ids(path: str, size: int, mtime_ns: int) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+
+
+def check_vocabulary(cfg: RunConfig, model: Any) -> None:
+    """model.pretrained: every id the run's tokenizer can produce indexes the release's
+    embedding (a smaller vocabulary fails the first step with an index error, after packing)."""
+    if cfg.model.pretrained is None:
+        return
+    try:
+        directory = resolve_tokenizer_dir(tokenizer_of(cfg))
+    except DataError:
+        return  # the path check names a missing tokenizer
+    file = directory / "tokenizer.json"
+    st = file.stat()
+    ids = _tokenizer_ids(str(file), st.st_size, st.st_mtime_ns)
+    if ids > model.vocab_size:
+        raise ConfigError(
+            f"model.pretrained={cfg.model.pretrained}: its vocabulary has {model.vocab_size} "
+            f"ids but the tokenizer {directory} makes {ids}: ids >= {model.vocab_size} would "
+            "index past the embedding; set data.tokenizer to the release's own tokenizer"
+        )
+
+
 def check_lora_base(cfg: RunConfig) -> None:
     """Adapters on a random base learn nothing a release could use: refused unless asked."""
     lora = cfg.model.lora
@@ -495,6 +524,7 @@ def resolve_run(cfg: RunConfig, world: int | None = None, *, geometry: bool = Fa
         check_draft(cfg, sizes, family, release)
     check_quant_aware(cfg, sizes)
     model = model_config(cfg, geometry=geometry)
+    check_vocabulary(cfg, model)
     _say_what_model(cfg, model)
     check_model_fits(cfg, sizes, model)
     evaluates = bool(cfg.data.eval_path) or cfg.data.eval_fraction > 0
