@@ -19,7 +19,7 @@ from primus_v4.errors import ExitCode
 def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A two-shard release directory (config.json + index + shards) of a tiny geometry."""
     directory = tmp_path_factory.mktemp("release")
-    config = release_config("a")
+    config = {**release_config("a"), "vocab_size": 129280}  # the bundled tokenizer's ids fit
     tensors = random_release_tensors(config, seed=1)
     names = sorted(tensors)
     shards = {"model-00001-of-00002.safetensors": names[::2],
