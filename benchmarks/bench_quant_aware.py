@@ -1,10 +1,10 @@
 """How much of a fine-tune does the served FP8 / FP4 export keep, with and without
-quantization-aware training (`train.quant_aware: release`)? Full fine-tuning of the tiny V4.1
-release (tests/fixtures/dsv41_dspark_golden, FP8 32 x 32 + FP4 experts) on corpus B of
-benchmarks/rule_corpus.py, CPU, float32. For each learning rate and mode, side by side, the
-held-out loss of:
+quantization-aware training (`train.quant_aware: release`)? The base: the tiny V4.1 release
+(tests/fixtures/dsv41_dspark_golden, FP8 32 x 32 + FP4 experts) first trained on corpus A of
+benchmarks/rule_corpus.py and exported FP8 / FP4 as its "release". Then full fine-tuning on
+corpus B, CPU, float32. For each learning rate and mode, side by side, the held-out (B) loss of:
 
-  base       the release;
+  base       that release;
   trained    the fine-tune as it trained (with the mode: its quantized forward);
   bf16       its bf16 export;
   fp8        its FP8 / FP4 export (what a server loads);
@@ -44,9 +44,12 @@ def held_out_loss(model: torch.nn.Module, corpus: RuleCorpus, trainer: Trainer) 
     return total / supervised
 
 
-def run(mode: str, lr: float, steps: int, tmp: Path, train: RuleCorpus, held: RuleCorpus) -> dict:
+def run(
+    release: Path, mode: str, lr: float, steps: int, tmp: Path, train: RuleCorpus,
+    held: RuleCorpus,
+) -> dict:  # fmt: skip
     items = [
-        "model.preset=null", f"model.pretrained={RELEASE}", f"data.seq_length={SEQ}",
+        "model.preset=null", f"model.pretrained={release}", f"data.seq_length={SEQ}",
         f"output.dir={tmp / 'run'}", "output.progress_bar=false", "output.plot=false",
         f"train.steps={steps}", "train.warmup_steps=2", "train.global_batch_size=2",
         f"train.lr={lr}", f"train.min_lr={lr}", f"train.quant_aware={mode}",
@@ -68,11 +71,17 @@ def run(mode: str, lr: float, steps: int, tmp: Path, train: RuleCorpus, held: Ru
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--base-steps", type=int, default=40, help="the base's steps on A")
     parser.add_argument("--lrs", default="3e-4,3e-5")
     args = parser.parse_args()
     torch.set_num_threads(1)
     train, held = RuleCorpus("B", packs=32, seed=1), RuleCorpus("B", packs=4, seed=11)
-    print(f"held-out loss, full fine-tuning of the tiny V4.1 release, {args.steps} steps")
+    work = tempfile.TemporaryDirectory()
+    release = Path(work.name) / "base"
+    run(RELEASE, "none", 3e-3, args.base_steps, release, RuleCorpus("A", packs=64, seed=0), held)
+    release = release / "fp8"
+    print(f"held-out loss, full fine-tuning of the tiny V4.1 release (trained on A for "
+          f"{args.base_steps} steps, exported FP8 / FP4) on B, {args.steps} steps")  # fmt: skip
     print(f"{'lr':>7} {'mode':>8} {'base':>8} {'trained':>8} {'bf16':>8} {'fp8':>8} "
           f"{'fp8 keeps':>10} {'step s':>7}")  # fmt: skip
     times: dict[str, list[float]] = {"none": [], "release": []}
@@ -80,9 +89,9 @@ def main() -> None:
     for lr in (float(x) for x in args.lrs.split(",")):
         for mode in ("none", "release"):
             with tempfile.TemporaryDirectory() as tmp:
-                r = run(mode, lr, args.steps, Path(tmp), train, held)
+                r = run(release, mode, lr, args.steps, Path(tmp), train, held)
             if base is None:
-                model = load_pretrained(RELEASE, dtype=torch.float32, progress=False)
+                model = load_pretrained(release, dtype=torch.float32, progress=False)
                 base = held_out_loss(model, held, r["trainer"])
             gain = base - r["trained"]
             keeps = (base - r["fp8"]) / gain if gain else float("nan")
@@ -91,6 +100,7 @@ def main() -> None:
                   f"{r['fp8']:>8.4f} {keeps:>10.3f} {r['step_s']:>7.3f}")  # fmt: skip
     plain, qat = (sum(times[m]) / len(times[m]) for m in ("none", "release"))
     print(f"step time: quant_aware=release {qat:.3f} s vs none {plain:.3f} s ({qat / plain:.2f}x)")
+    work.cleanup()
 
 
 if __name__ == "__main__":
