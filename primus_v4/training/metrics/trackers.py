@@ -130,7 +130,12 @@ class WandbTracker:
             self._run.save(str(path), base_path=str(path.parent), policy="now")
 
     def close(self) -> None:
+        import wandb
+
         self._run.finish()
+        # the service process writes the run's records: wait until it has flushed and exited,
+        # so the offline run file is whole when this returns (a loaded machine lagged behind)
+        wandb.teardown()
 
 
 class MlflowTracker:
