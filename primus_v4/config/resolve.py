@@ -292,15 +292,22 @@ def check_draft(cfg: RunConfig, sizes: ParallelDims, family: str, model: Any = N
 
 
 def check_quant_aware(cfg: RunConfig, sizes: ParallelDims) -> None:
-    """`train.quant_aware: release`: full fine-tuning (LoRA's quantized merge comes next), and
-    expert shards whole on each rank (ep 1) for now; refused in one line otherwise."""
+    """`train.quant_aware: release`: full fine-tuning, or LoRA on the base kept as released (the
+    merge is what is rounded) with no adapter dropout (the merged weight has none); expert
+    shards whole on each rank (ep 1) for now; refused in one line otherwise."""
     if cfg.train.quant_aware == "none":
         return
     where = f"train.quant_aware={cfg.train.quant_aware}"
-    if cfg.model.lora.rank:
-        raise ConfigError(f"{where} with model.lora.rank={cfg.model.lora.rank}: quantization-"
-                          "aware LoRA is not implemented yet; train in full or set "
-                          "train.quant_aware=none")  # fmt: skip
+    lora = cfg.model.lora
+    if lora.rank and lora.base != "release":
+        raise ConfigError(f"{where} with model.lora.rank={lora.rank} needs model.lora.base="
+                          "release: the adapters train against the merged weight rounded as "
+                          f"the release stores it, over the base as released (model.lora.base="
+                          f"{lora.base})")  # fmt: skip
+    if lora.rank and lora.dropout:
+        raise ConfigError(f"{where} with model.lora.dropout={lora.dropout}: the merged weight "
+                          "the served model uses has no adapter dropout; set "
+                          "model.lora.dropout=0")  # fmt: skip
     if sizes.ep > 1:
         raise ConfigError(f"{where} with parallel.ep={sizes.ep}: not implemented yet for "
                           "expert shards; set parallel.ep=1 or train.quant_aware=none")  # fmt: skip

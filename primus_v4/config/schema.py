@@ -427,7 +427,9 @@ class TrainConfig:
     release stores FP8 / FP4 is used in the forward and backward as the release stores it
     (quantized by the export's own rule, decoded), its gradient passed straight through to the
     full-precision weight, so `export --dtype fp8` writes the weights the run trained against.
-    bf16 / fp32 weights of the release train as with `none`."""
+    bf16 / fp32 weights of the release train as with `none`. With LoRA (`model.lora.base:
+    release`, no dropout) each adapted weight is used merged and rounded, Q(W + (alpha / r) B A),
+    so the merged FP8 / FP4 export is the model that trained."""
     shuffle: bool = True
     """Shuffle pack order each epoch (seeded); False keeps the packer's order."""
     eval_interval: int = 0

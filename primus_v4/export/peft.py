@@ -74,6 +74,7 @@ from primus_v4.errors import CheckpointError
 from primus_v4.models.common.peft_format import lora_config, rank_patterns
 
 CONFIG_FILE = "adapter_config.json"
+CARD_FILE = "README.md"
 WEIGHTS_FILE = "adapter_model.safetensors"
 KEY_PREFIX = "base_model.model.model."  # PeftModel > DeepseekV4ForCausalLM > DeepseekV4Model
 
@@ -235,10 +236,12 @@ def write_peft(
     extra_files: Iterable[str | os.PathLike] = (),
     left_out: int = 0,
     prefix: str = KEY_PREFIX,
+    card: str | None = None,
 ) -> PeftSummary:
     """Write (layer index, `block_tensors`) pieces as a PEFT adapter directory at `out`
-    (LoRA tensors cast to `dtype` when given; keys `<prefix>layers.N.<name>`), atomically: a temp
-    directory renamed into place when complete, removed on any failure."""
+    (LoRA tensors cast to `dtype` when given; keys `<prefix>layers.N.<name>`; `card`, when
+    given, as its README.md), atomically: a temp directory renamed into place when complete,
+    removed on any failure."""
     tensors: dict[str, torch.Tensor] = {}
     for index, piece in layers:
         for name, t in piece.items():
@@ -255,6 +258,8 @@ def write_peft(
         # safetensors writes through a private temp file (0600): give it a new file's mode
         os.chmod(tmp / WEIGHTS_FILE, new_file_mode())
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        if card is not None:
+            (tmp / CARD_FILE).write_text(card)
         for path in extra_files:
             shutil.copyfile(path, tmp / Path(path).name)
         if out.exists():

@@ -298,6 +298,16 @@ def export_checkpoint(
     return summary
 
 
+QUANT_AWARE_CARD = """# LoRA adapters trained quantization-aware
+
+These adapters were trained against the quantized merge (`train.quant_aware: release`): each
+adapted weight was used as `Q(W + (lora_alpha / r) B A)`, the merged weight rounded to the
+release's FP8 / FP4 blocks with its ue8m0 scales. The model that trained is the merged release
+export (`primus-v4 export --format release --dtype fp8`). Applied unmerged over a base, these
+adapters compute `W x + (lora_alpha / r) B A x`, which is not that model.
+"""
+
+
 def export_adapters(
     source: ExportSource, out: str | os.PathLike, *, dtype: torch.dtype | None = None
 ) -> PeftSummary:
@@ -339,9 +349,10 @@ def export_adapters(
 
     config = naming.adapter_config(lora, cfg, source.run.model.pretrained, routers)
     tokenizer = tokenizer_files(resolve_tokenizer_dir(tokenizer_of(source.run)))
+    card = QUANT_AWARE_CARD if source.run.train.quant_aware == "release" else None
     try:
         summary = write_peft(out, layers(), config, dtype=dtype, extra_files=tokenizer,
-                             left_out=len(mtp), prefix=naming.KEY_PREFIX)  # fmt: skip
+                             left_out=len(mtp), prefix=naming.KEY_PREFIX, card=card)  # fmt: skip
     except OSError as exc:
         error = describe_os_error(exc, "cannot write")
         raise type(error)(f"export of {source.checkpoint} to {out}: {error}; nothing was left "

@@ -249,9 +249,9 @@ class Trainer:
         if self.cfg.train.quant_aware == "none":
             return None
         quant = self.spec.release.release_rounding(self.model, self.run.model)
-        log.info("train.quant_aware=release: %d weights (%d values) used as the release "
-                 "stores them (FP8 / FP4), gradients straight through", len(quant),
-                 quant.numel())  # fmt: skip
+        log.info("train.quant_aware=release: %d weights (%d values) and %d adapted weights "
+                 "(merged) used as the release stores them, gradients straight through",
+                 len(quant.weights), quant.numel(), len(quant) - len(quant.weights))  # fmt: skip
         return quant
 
     def quantized(self) -> Any:

@@ -18,6 +18,11 @@ computes exactly the base model's numbers (adding zeros changes no bit).
   run by the grouped-experts kernel (kernels/grouped_experts.py: grouped GEMMs).
 Every adapter draws from a generator of (seed, its parameter name), experts from (seed, name,
 global expert index): a pipeline stage or expert shard gets the same adapters as one process.
+
+Quantization-aware (`train.quant_aware: release`, models/common/quant_aware.py): while a module's
+`release_rounding` is set, it uses its merged weight as the merged export stores it,
+rounding(W + s B A) with the sum made as export/lora.py makes it (float32, B A of every span in
+one bmm, added to W's rows), the gradient straight through into B and A.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from torch import nn
 
 from primus_v4.kernels.grouped_experts import ExpertLoRA
 from primus_v4.models.common.kept_base import ReleaseLinear, frozen_linear
+from primus_v4.models.common.quant_aware import Rounding, straight_through
 from primus_v4.models.common.seeds import param_seed
 
 
@@ -73,6 +79,8 @@ class _Adapter(nn.Module):
     """Shared by the adapter kinds: scale, dropout, and the zero-B / uniform-A init."""
 
     adapter_params: frozenset[str] = frozenset({"lora_A", "lora_B"})
+    beside_base = True  # the base weights are its owner's attributes
+    release_rounding: dict[str, Rounding] | None = None  # set while quantization-aware
 
     def __init__(self, spec: LoraSpec) -> None:
         super().__init__()
@@ -84,6 +92,7 @@ class LoRALinear(nn.Linear):
     """nn.Linear (no bias) whose frozen `weight` gains s B_k A_k x on output spans k."""
 
     adapter_params = frozenset({"lora_A", "lora_B"})
+    release_rounding: dict[str, Rounding] | None = None  # set while quantization-aware
 
     def __init__(
         self, base: nn.Linear | ReleaseLinear, spec: LoraSpec, spans: list[tuple[int, int]]
@@ -117,13 +126,39 @@ class LoRALinear(nn.Linear):
     def base_weight(self) -> torch.Tensor:
         return self.weight if self.source is None else self.source()
 
+    def adapted_bases(self) -> tuple[str, ...]:
+        return ("weight",)
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + s B_k A_k on each span k, float32, as the merged export sums it (differentiable
+        in the adapters)."""
+        delta = torch.bmm(self.lora_B.float(), self.lora_A.float()) * self.scale
+        w = self.base_weight().float()
+        if len(self.spans) == 1 and self.spans[0] == (0, self.out_features):
+            return w + delta[0]
+        w = w.clone()
+        for (lo, n), d in zip(self.spans, delta, strict=True):
+            w[lo : lo + n] = w[lo : lo + n] + d
+        return w
+
+    def served_weight(self) -> torch.Tensor:
+        """The merged weight rounded as the release stores it (float32), gradient straight
+        through (quantization-aware)."""
+        rounding = (self.release_rounding or {}).get("weight")
+        w = self.merged_weight()
+        return w if rounding is None else straight_through(w, rounding)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.release_rounding is not None:
+            return F.linear(x, self.served_weight().to(x.dtype))
         y = F.linear(x, self.weight) if self.source is None else frozen_linear(x, self.source)
         return y + self._delta(x, self.lora_A, self.lora_B).view_as(y)
 
     def forward_float32(self, x32: torch.Tensor) -> torch.Tensor:
         """The same map computed in float32 whatever the weights' dtype (a float32 path such as
         the V4.1 compressor's pooling scores)."""
+        if self.release_rounding is not None:
+            return F.linear(x32, self.served_weight())
         y = F.linear(x32, self.base_weight().float())
         return y + self._delta(x32, self.lora_A.float(), self.lora_B.float()).view_as(y)
 
@@ -193,6 +228,19 @@ class GroupedLoRA(_Adapter):
         z = torch.bmm(self.dropout(o_GTI), self.lora_A.transpose(1, 2))
         return torch.bmm(z, self.lora_B.transpose(1, 2)) * self.scale
 
+    def adapted_bases(self) -> tuple[str, ...]:
+        return ("wo_a",)
+
+    def merged(self, wo_a: torch.Tensor) -> torch.Tensor:
+        """wo_a + s B_g A_g per group, float32 (differentiable in the adapters)."""
+        return wo_a.float() + torch.bmm(self.lora_B.float(), self.lora_A.float()) * self.scale
+
+    def served(self, wo_a: torch.Tensor) -> torch.Tensor:
+        """The merged wo_a as the release stores it, gradient straight through."""
+        rounding = (self.release_rounding or {}).get("wo_a")
+        w = self.merged(wo_a)
+        return w if rounding is None else straight_through(w, rounding)
+
 
 class ExpertAdapters(_Adapter):
     """The routed experts' adapters: `{gate,up,down}_A` / `_B`, [E', r, in] / [E', out, r]."""
@@ -230,6 +278,39 @@ class ExpertAdapters(_Adapter):
                                     f"{name}.{kind}_A.{which}")  # fmt: skip
                     a[i].copy_(draw)
                 b.zero_()
+
+    def adapted_bases(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys("w_down" if k == "down" else "w_gate_up" for k in self.kinds))
+
+    def merged(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{"w_gate_up", "w_down"}: the rank's expert weights plus s B A of each adapted kind,
+        float32, the adapted ones only (differentiable in the adapters)."""
+        out: dict[str, torch.Tensor] = {}
+        f = w_gate_up.shape[1] // 2
+        for kind in self.kinds:
+            a, b = getattr(self, f"{kind}_A").float(), getattr(self, f"{kind}_B").float()
+            delta = torch.bmm(b, a) * self.scale  # [E' , out, in], E' = 1 when shared
+            if kind == "down":
+                out["w_down"] = w_down.float() + delta
+                continue
+            if "w_gate_up" not in out:
+                out["w_gate_up"] = w_gate_up.float().clone()
+            gu = out["w_gate_up"]
+            rows = slice(0, f) if kind == "gate" else slice(f, 2 * f)
+            gu[:, rows] = gu[:, rows] + delta
+        return out
+
+    def served(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Both expert weights as the experts use them quantization-aware: the adapted ones
+        merged and rounded as the release stores them (straight through), the others as they
+        are; in the base's dtype."""
+        rounding = self.release_rounding or {}
+        out = {"w_gate_up": w_gate_up, "w_down": w_down}
+        for name, w in self.merged(w_gate_up, w_down).items():
+            if name in rounding:
+                w = straight_through(w, rounding[name])
+            out[name] = w.to(out[name].dtype)
+        return out
 
     def kernel_args(self) -> ExpertLoRA:
         pairs = {k: (getattr(self, f"{k}_A"), getattr(self, f"{k}_B")) for k in self.kinds}
@@ -294,28 +375,6 @@ def adapter_names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def _merged_experts(moe: nn.Module) -> dict[str, torch.Tensor]:
-    ad = moe.expert_lora
-    gu = base_value(moe, "w_gate_up").float().clone()
-    down = base_value(moe, "w_down").float().clone()
-    f = gu.shape[1] // 2
-    for kind in ad.kinds:
-        a, b = getattr(ad, f"{kind}_A").float(), getattr(ad, f"{kind}_B").float()
-        delta = (torch.bmm(b, a) * ad.scale).expand(gu.shape[0], -1, -1)  # shared: E' = 1
-        if kind == "gate":
-            gu[:, :f] += delta
-        elif kind == "up":
-            gu[:, f:] += delta
-        else:
-            down += delta
-    out = {}
-    if {"gate", "up"} & set(ad.kinds):
-        out["w_gate_up"] = gu
-    if "down" in ad.kinds:
-        out["w_down"] = down
-    return out
-
-
 @torch.no_grad()
 def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """{base parameter name: W + s B A} for every adapted weight of `model`, computed in float32
@@ -324,14 +383,11 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(module, LoRALinear):
-            w = module.base_weight().float().clone()
-            for (lo, n), a, b in zip(module.spans, module.lora_A, module.lora_B, strict=True):
-                w[lo : lo + n] += module.scale * (b.float() @ a.float())
-            out[f"{prefix}weight"] = w
+            out[f"{prefix}weight"] = module.merged_weight()
         elif getattr(module, "wo_a_lora", None) is not None:
-            ad = module.wo_a_lora
-            delta = torch.bmm(ad.lora_B.float(), ad.lora_A.float()) * ad.scale
-            out[f"{prefix}wo_a"] = base_value(module, "wo_a").float() + delta
+            out[f"{prefix}wo_a"] = module.wo_a_lora.merged(base_value(module, "wo_a"))
         elif getattr(module, "expert_lora", None) is not None:
-            out |= {f"{prefix}{k}": v for k, v in _merged_experts(module).items()}
+            bases = base_value(module, "w_gate_up"), base_value(module, "w_down")
+            merged = module.expert_lora.merged(*bases)
+            out |= {f"{prefix}{k}": v for k, v in merged.items()}
     return out

@@ -12,9 +12,18 @@ fp32 master) unchanged: the straight-through estimator. The weights themselves k
 precision. A weight the release stores bf16 is used rounded to bf16 when the run holds it wider
 (float32 on a CPU; a bf16 run holds it so already); float32 ones are used as they are.
 
+LoRA (`model.lora.base: release`): the base is frozen and already as released, so what the
+release would store is the merged weight. Each adapted module (models/common/lora.py) is given
+its weight's rounding for the step, and its forward uses `rounding(W + s B A)` (the sum made as
+the merged export makes it, float32) with the straight-through gradient into B and A: the merged
+FP8 / FP4 export is the model that trained.
+
 Cost: one quantize + dequantize of each such weight per step (on the CPU, where the writer
 quantizes), and the rounded copy held beside the weight for the step (one model-dtype copy of
-the quantized weights, transient).
+the quantized weights, transient). Under LoRA, each adapted weight's merged float32 sum and its
+rounding live while its op runs (the routed experts inside the recomputed checkpoint, so the
+backward makes them again), and the op's weight gradient, [out, in], is formed transiently to
+reach B and A.
 """
 
 from __future__ import annotations
@@ -37,14 +46,45 @@ class RoundedWeight:
     rounding: Rounding
 
 
-class QuantAware:
-    """The rank's weights the release stores quantized, each with its release rounding."""
+class _StraightThrough(torch.autograd.Function):
+    """rounding(w) forward, the gradient unchanged backward."""
 
-    def __init__(self, weights: list[RoundedWeight]) -> None:
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, rounding: Rounding) -> torch.Tensor:  # type: ignore[override]
+        with torch.no_grad():
+            return rounding(w.detach()).to(w.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return g, None
+
+
+def straight_through(w: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+    """`rounding(w)`, bit for bit, whose gradient reaches `w` unchanged."""
+    return _StraightThrough.apply(w, rounding)
+
+
+@dataclass(frozen=True)
+class RoundedMerge:
+    """An adapted module (`LoRALinear`, `GroupedLoRA`, `ExpertAdapters`) and the release
+    rounding of each base weight it adapts, by its attribute name (`weight`, `wo_a`,
+    `w_gate_up`, `w_down`)."""
+
+    name: str
+    module: nn.Module
+    rounding: dict[str, Rounding]
+
+
+class QuantAware:
+    """The rank's weights the release stores quantized, each with its release rounding; under
+    LoRA, the adapted modules whose merged weights are used rounded."""
+
+    def __init__(self, weights: list[RoundedWeight], merged: list[RoundedMerge] = ()) -> None:
         self.weights = weights
+        self.merged = list(merged)
 
     def __len__(self) -> int:
-        return len(self.weights)
+        return len(self.weights) + sum(len(m.rounding) for m in self.merged)
 
     def numel(self) -> int:
         return sum(w.param.numel() for w in self.weights)
@@ -59,10 +99,14 @@ class QuantAware:
                 for w in self.weights:
                     kept.append(w.param.data)
                     w.param.data = w.rounding(w.param.data).to(w.param.dtype)
+            for m in self.merged:
+                m.module.release_rounding = m.rounding
             yield
         finally:
             for w, data in zip(self.weights, kept, strict=False):
                 w.param.data = data
+            for m in self.merged:
+                m.module.release_rounding = None
 
 
 def release_rounding_of(
@@ -72,27 +116,44 @@ def release_rounding_of(
     quantize_into: Callable[[nn.Module, Any, torch.Tensor], None],
     bf16: frozenset[str] = frozenset(),
 ) -> QuantAware:
-    """The trainable parameters of `model` named in `entries` (their name-table entries: the
-    ones the release stores FP8 / FP4), each rounded as a family's kept base stores it:
+    """The parameters of `model` named in `entries` (their name-table entries: the ones the
+    release stores FP8 / FP4), each rounded as a family's kept base stores it:
     `quantize_into(source_of(entry, shape), entry, value)`, then that `ReleaseWeight` decoded;
-    and those named in `bf16` (stored bf16 by the release) rounded to bf16 when they are held
-    wider (a float32 run)."""
-    out = []
-    for name, param in model.named_parameters():
-        if name in bf16 and param.requires_grad and param.dtype != torch.bfloat16:
-            out.append(RoundedWeight(name, param, _to_bf16))
-            continue
-        entry = entries.get(name)
-        if entry is None or not param.requires_grad:
-            continue
+    those named in `bf16` (stored bf16 by the release) rounded to bf16 when they are held wider
+    (a float32 run); frozen ones too (a LoRA base as the run holds it is the release's). Under
+    LoRA, each adapted module with the rounding of the weights it adapts (their merge is float32:
+    bf16-stored ones are rounded to bf16; float32-stored ones are left as they are)."""
 
-        def rounding(value: torch.Tensor, entry: Any = entry) -> torch.Tensor:
+    def quantized(entry: Any) -> Rounding:
+        def rounding(value: torch.Tensor) -> torch.Tensor:
             source = source_of(entry, tuple(value.shape))
             quantize_into(source, entry, value)
             return source().to(value.device)
 
-        out.append(RoundedWeight(name, param, rounding))
-    return QuantAware(out)
+        return rounding
+
+    out = []
+    for name, param in model.named_parameters():
+        if name in bf16 and param.dtype != torch.bfloat16:
+            out.append(RoundedWeight(name, param, _to_bf16))
+        elif name in entries:
+            out.append(RoundedWeight(name, param, quantized(entries[name])))
+    merged = []
+    for name, module in model.named_modules():
+        bases = getattr(module, "adapted_bases", None)
+        if bases is None:
+            continue
+        owner = name.rpartition(".")[0] if getattr(module, "beside_base", False) else name
+        rounding = {}
+        for attr in bases():
+            base = f"{owner}.{attr}" if owner else attr
+            if base in entries:
+                rounding[attr] = quantized(entries[base])
+            elif base in bf16:
+                rounding[attr] = _to_bf16
+        if rounding:
+            merged.append(RoundedMerge(name, module, rounding))
+    return QuantAware(out, merged)
 
 
 def _to_bf16(value: torch.Tensor) -> torch.Tensor:

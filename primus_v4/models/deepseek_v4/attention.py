@@ -35,6 +35,7 @@ from torch import nn
 from primus_v4 import kernels
 from primus_v4.errors import ConfigError
 from primus_v4.models.common.kept_base import ReleaseWeight, frozen_grouped
+from primus_v4.models.common.lora import base_value
 from primus_v4.models.common.recompute import DiscardedPart, selected
 from primus_v4.models.deepseek_v4.compressor import Compressor, build_window_plan
 from primus_v4.models.deepseek_v4.config import LAYER_KINDS, DeepseekV4Config
@@ -146,6 +147,11 @@ class Attention(nn.Module):
     def _project(self, o_GTI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Grouped low-rank output: each group's H*D/G channels -> o_lora, then all -> hidden;
         returns ([G, T, O] after the first map, [T, hidden])."""
+        lora = self.wo_a_lora
+        if lora is not None and lora.release_rounding is not None:  # quantization-aware LoRA
+            w_GRI = lora.served(base_value(self, "wo_a")).to(o_GTI.dtype)
+            y_GTR = torch.bmm(o_GTI, w_GRI.transpose(1, 2))
+            return y_GTR, self.wo_b(y_GTR.transpose(0, 1).flatten(1))
         if self.wo_a_release is not None:
             y_GTR = frozen_grouped(o_GTI, self.wo_a_release)
         else:

@@ -18,6 +18,7 @@ from primus_v4.kernels.grouped_experts import OP_NAME as GROUPED_EXPERTS
 from primus_v4.kernels.grouped_experts import clamped_swiglu
 from primus_v4.kernels.registry import resolve
 from primus_v4.models.common.kept_base import ReleaseWeight
+from primus_v4.models.common.lora import base_value
 from primus_v4.models.common.recompute import checkpointed, selected
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.layout import RowLayout
@@ -332,7 +333,16 @@ class MoE(nn.Module):
         expert_RK, weight_RK, scores_RE = self.router(x_TD, routing)
         x_RD = x_TD.index_select(0, routing.routed_rows_R)
         x_MD, blocks, handle = self.dispatcher.dispatch(x_RD, expert_RK, self.num_experts)
-        if self.w_gate_up_release is None:
+        lora = self.expert_lora
+        if lora is not None and lora.release_rounding is not None:
+            # quantization-aware LoRA: the merged experts as released, made inside a checkpoint
+            # (the backward makes them again) and run with no adapter of their own
+            def served(x: torch.Tensor) -> torch.Tensor:
+                w = lora.served(base_value(self, "w_gate_up"), base_value(self, "w_down"))
+                return self._routed(x, blocks, w["w_gate_up"], w["w_down"], adapters=False)
+
+            y_MD = checkpointed(served, x_MD)
+        elif self.w_gate_up_release is None:
             y_MD = self._routed(x_MD, blocks, self.w_gate_up, self.w_down)
         else:  # decoded inside a checkpoint: the backward decodes (and recomputes) again
             gate_up, down = self.w_gate_up_release, self.w_down_release
@@ -363,8 +373,11 @@ class MoE(nn.Module):
         blocks: list[list[int]],
         w_gate_up: torch.Tensor,
         w_down: torch.Tensor,
+        *,
+        adapters: bool = True,
     ) -> torch.Tensor:
-        """The grouped experts over each block of rows (`Dispatcher.dispatch`) on its own.
+        """The grouped experts over each block of rows (`Dispatcher.dispatch`) on its own
+        (`adapters`: with the LoRA adapters beside the weights, when the experts have them).
 
         Under EP the blocks are the source ranks' packs. One GEMM over all of them would sum an
         expert's weight gradient over every pack's rows in one K loop, while one process sums
@@ -374,7 +387,8 @@ class MoE(nn.Module):
         the first step. A GEMM per block sums an expert's gradient over packs as one process
         does (the same bits when each rank runs one pack a step), for one kernel call per
         source rank instead of one."""
-        lora = {} if self.expert_lora is None else {"lora": self.expert_lora.kernel_args()}
+        with_lora = adapters and self.expert_lora is not None
+        lora = {"lora": self.expert_lora.kernel_args()} if with_lora else {}
         sizes = [sum(b) for b in blocks]
         parts = x_MD.split(sizes) if len(blocks) > 1 else (x_MD,)
         # Empty blocks are skipped; with no rows at all one call keeps the weights in the graph.

@@ -119,6 +119,7 @@ def test_config_names_the_targets_and_the_summary_counts(exported, release: Path
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
     assert config["base_model_name_or_path"] == str(release)
+    assert not (out / "README.md").exists()  # trained unquantized: nothing to warn of
     if exported["kind"] == "per_expert":  # o_groups 2; gate and up on one fused weight
         assert config["target_modules"] == [
             "mlp.shared_experts.down_proj", "mlp.shared_experts.gate_proj",

@@ -16,8 +16,10 @@ from train_fakes import RAGGED_PACKS, SEQ, FakeCorpus
 
 from primus_v4 import load_pretrained, save_pretrained
 from primus_v4.config import load_config, resolve_run
+from primus_v4.config.schema import LORA_ENGRAM_TARGETS, LORA_TARGETS
 from primus_v4.errors import ConfigError
 from primus_v4.models import spec_of
+from primus_v4.models.common.lora import LoRALinear
 from primus_v4.training.trainer import Trainer
 
 V41 = Path(__file__).resolve().parents[3] / "tests/fixtures/dsv41_dspark_golden/checkpoint"
@@ -145,7 +147,17 @@ def test_a_quant_aware_run_trains_full_precision_weights_against_their_rounding(
         (
             ("model.lora.rank=4", "model.lora.allow_random_base=true"),
             1,
-            "quantization-aware LoRA is not implemented yet",
+            "with model.lora.rank=4 needs model.lora.base=release",
+        ),
+        (
+            (
+                "model.lora.rank=4",
+                "model.lora.allow_random_base=true",
+                "model.lora.base=release",
+                "model.lora.dropout=0.1",
+            ),
+            1,
+            "with model.lora.dropout=0.1: the merged weight",
         ),
         (("parallel.ep=2", "train.global_batch_size=2"), 2, "with parallel.ep=2: not implemented"),
     ],
@@ -156,10 +168,19 @@ def test_what_is_not_implemented_yet_is_refused(tmp_path: Path, extra, world, me
         resolve_run(load_config(overrides=items), world=world)
 
 
-def test_the_fp8_export_of_a_quant_aware_run_is_the_model_that_trained(tmp_path: Path) -> None:
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.base=release",
+        f"model.lora.targets=[{', '.join(LORA_TARGETS + LORA_ENGRAM_TARGETS)}]")  # fmt: skip
+
+
+@pytest.mark.parametrize("lora", [(), LORA], ids=["full", "lora"])
+def test_the_fp8_export_of_a_quant_aware_run_is_the_model_that_trained(
+    tmp_path: Path, lora: tuple[str, ...]
+) -> None:
     """The export's weights are the rounding the run's next forward uses: its logits equal the
-    run's own (quantized) forward, and its held-out loss the run's final eval loss."""
-    from primus_v4.export.run import export_checkpoint, find_source
+    run's own (quantized) forward, and its held-out loss the run's final eval loss. LoRA: the
+    merged FP8 / FP4 export, Q(W + s B A) on every adapted weight kind (FP8 linears and wo_a,
+    FP4 routed experts, bf16 compressor / Engram projections)."""
+    from primus_v4.export.run import export_adapters, export_checkpoint, find_source
 
     held_out = FakeCorpus([[120, 100], [200], [90, 90, 60]], seed=7)
     run = resolve_run(load_config(overrides=[
@@ -167,7 +188,7 @@ def test_the_fp8_export_of_a_quant_aware_run_is_the_model_that_trained(tmp_path:
         f"output.dir={tmp_path / 'run'}", "output.progress_bar=false", "train.shuffle=false",
         "train.steps=2", "train.warmup_steps=1", "train.global_batch_size=1",
         "train.quant_aware=release", f"checkpoint.dir={tmp_path / 'ckpt'}",
-        "checkpoint.interval=2", "train.eval_interval=2",
+        "checkpoint.interval=2", "train.eval_interval=2", *lora,
     ]), world=1)  # fmt: skip
     trainer = Trainer(run, corpus=FakeCorpus(RAGGED_PACKS), eval_corpus=held_out)
     final = trainer.train().rows[-1]
@@ -190,3 +211,67 @@ def test_the_fp8_export_of_a_quant_aware_run_is_the_model_that_trained(tmp_path:
     )
     assert worst <= 1e-6, worst
     assert loss_sum / supervised == pytest.approx(final.eval_loss, rel=1e-6, abs=0)
+    if lora:  # the PEFT export says what the adapters trained against
+        export_adapters(find_source(tmp_path / "ckpt"), tmp_path / "peft")
+        card = (tmp_path / "peft" / "README.md").read_text()
+        assert "Q(W + (lora_alpha / r) B A)" in card and "--dtype fp8" in card
+
+
+def test_a_quant_aware_lora_run_trains_its_adapters_against_the_rounded_merge(
+    tmp_path: Path,
+) -> None:
+    """Fresh adapters (B = 0) merge to the base, which is its own rounding: step 1 is plain
+    LoRA's, bit for bit; step 2 is not. Every adapted weight is rounded, and the base stays as
+    released."""
+    plain = _run(tmp_path / "plain", *LORA).train().rows
+    trainer = _run(tmp_path / "qat", *LORA, "train.quant_aware=release")
+    rows = trainer.train().rows
+    assert rows[0].loss == plain[0].loss and rows[1].loss != plain[1].loss
+    merged = {m.name: sorted(m.rounding) for m in trainer.quant.merged}
+    assert merged["layers.1.moe.expert_lora"] == ["w_down", "w_gate_up"]  # FP4
+    assert merged["layers.0.attn.wo_a_lora"] == ["wo_a"]  # FP8, grouped
+    assert merged["layers.0.attn.wq_a"] == ["weight"]  # FP8 32 x 32
+    assert merged["layers.2.attn.compressor.wkv"] == ["weight"]  # bf16, the merge is float32
+    assert merged["layers.1.engram.wkv"] == ["weight"]
+    adapted = [n for n, m in trainer.model.named_modules() if isinstance(m, LoRALinear)]
+    assert adapted and set(adapted) <= set(merged)
+    assert all(not w.param.requires_grad for w in trainer.quant.weights)  # the base is frozen
+    assert all(m.module.release_rounding is None for m in trainer.quant.merged)  # after the step
+
+
+def test_the_lora_straight_through_backward_is_the_backward_at_the_rounded_merge() -> None:
+    """d loss / d B and d A through Q(W + s B A) equal s G A^T and s B^T G with G the plain
+    weight gradient of a linear whose weight is Q(W + s B A)."""
+    from primus_v4.models.common.kept_base import ReleaseLinear, ReleaseWeight
+    from primus_v4.models.common.lora import LoraSpec
+    from primus_v4.models.deepseek_v4.release.kept_base import _quantize_into
+    from primus_v4.models.deepseek_v4.release.state_dict_adapter import _copy, _t
+
+    torch.manual_seed(3)
+    w = torch.randn(256, 160)
+    entry = _copy("attn.wq_b.weight", _t("attn.wq_b.weight", (256, 160), "fp8"))  # 128 x 128
+    source = ReleaseWeight(entry, shape=(256, 160), dtype=torch.float32, device="cpu")
+    _quantize_into(source, entry, w)
+    linear = LoRALinear(ReleaseLinear(source), LoraSpec(rank=4, alpha=8.0, targets=("wq_b",)),
+                        [(0, 256)])  # fmt: skip
+    with torch.no_grad():
+        linear.lora_A.normal_(0, 0.1)
+        linear.lora_B.normal_(0, 0.1)
+
+    def rounding(value: torch.Tensor) -> torch.Tensor:
+        out = ReleaseWeight(entry, shape=tuple(value.shape), dtype=torch.float32, device="cpu")
+        _quantize_into(out, entry, value)
+        return out()
+
+    x = torch.randn(7, 160)
+    linear.release_rounding = {"weight": rounding}
+    y = linear(x)
+    y.square().sum().backward()
+    served = rounding(linear.merged_weight().detach())
+    assert not torch.equal(served, linear.merged_weight().detach())  # the rounding is real
+    assert torch.equal(y, torch.nn.functional.linear(x, served))
+    at = served.clone().requires_grad_(True)
+    torch.nn.functional.linear(x, at).square().sum().backward()
+    g, a, b, s = at.grad, linear.lora_A[0].detach(), linear.lora_B[0].detach(), linear.scale
+    torch.testing.assert_close(linear.lora_B.grad[0], s * g @ a.T, rtol=1e-6, atol=0)
+    torch.testing.assert_close(linear.lora_A.grad[0], s * b.T @ g, rtol=1e-6, atol=0)
