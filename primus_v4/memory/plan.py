@@ -154,6 +154,63 @@ def _count_kept(model: Any, kept: list[_Kept], specs: list[Any], has_mtp: bool, 
 
 
 @dataclass
+class _QuantBytes:
+    """A stage's extra memory under `train.quant_aware: release` (models/common/quant_aware.py),
+    in bytes: `rounded` the release rounding of the weights it swaps in, held beside the
+    full-precision ones for the step; under LoRA, `served` the served weights of the adapted
+    linears and wo_a, which their matmuls save for the backward, and `unit` the values of the
+    largest weight merged at once (a layer's routed experts, inside their checkpoint, or one
+    linear); `scratch` the values of the largest weight the CPU rounds at once."""
+
+    rounded: int = 0
+    served: int = 0
+    unit: int = 0
+    scratch: int = 0
+
+    def rows(self, plan: MemoryPlan, b: int) -> None:
+        if self.rounded:
+            plan.add("quant_aware: weights as released, beside full precision", self.rounded,
+                     phase="backward")  # fmt: skip
+        if self.served:
+            plan.add("quant_aware LoRA: served weights saved for backward", self.served,
+                     phase="backward")  # fmt: skip
+        if self.unit:  # fp32 merge + its rounding, the served copy and its gradient (+ fp32)
+            plan.add("quant_aware LoRA: one weight merged, rounded, its grad", self.unit *
+                     (12 + 2 * b), phase="backward")  # fmt: skip
+        if self.scratch:  # the value in fp32, its codes and scales, decoded fp32
+            plan.add("quant_aware: rounding scratch of one weight (CPU)", 0, 9 * self.scratch,
+                     phase="backward")  # fmt: skip
+
+
+def _count_quant(model: Any, run: Any, specs: list[Any], has_mtp: bool,
+                 quant: list[_QuantBytes]) -> None:  # fmt: skip
+    """Fill `quant` (per stage) from the release rounding the trainer would build."""
+    rounding = spec_of(run.model).release.release_rounding(model, run.model)
+    b = _dtype_bytes(run)
+    for w in rounding.weights:
+        for s in _stage_of(w.name, specs, has_mtp):
+            quant[s].rounded += w.param.numel() * w.param.element_size()
+            quant[s].scratch = max(quant[s].scratch, w.param.numel())
+    experts: dict[tuple[int, str], int] = {}
+    for m in rounding.merged:
+        owner = m.name.rpartition(".")[0]
+        parent = model.get_submodule(owner) if owner else model
+        if hasattr(m.module, "in_features"):  # an adapted linear
+            sizes = [m.module.in_features * m.module.out_features]
+        else:
+            sizes = [math.prod(getattr(parent, f"{a}_release").shape) for a in m.rounding]
+        for s in _stage_of(m.name, specs, has_mtp):
+            if m.name.endswith(".expert_lora"):
+                experts[s, owner] = experts.get((s, owner), 0) + sum(sizes)
+            else:
+                quant[s].served += sum(sizes) * b
+            quant[s].unit = max(quant[s].unit, *sizes)
+            quant[s].scratch = max(quant[s].scratch, *sizes)
+    for (s, _), n in experts.items():
+        quant[s].unit = max(quant[s].unit, n)
+
+
+@dataclass
 class _EngramBytes:
     """A stage's frozen Engram tables at their placement (`model.engram`), per rank."""
 
@@ -387,6 +444,9 @@ def plan_memory(
     kept = [_Kept() for _ in specs]
     if lora.keeps_release:
         _count_kept(model, kept, specs, has_mtp, ep=sizes.ep, b=_dtype_bytes(run))
+    quant = [_QuantBytes() for _ in specs]
+    if run.cfg.train.quant_aware != "none":
+        _count_quant(model, run, specs, has_mtp, quant)
     per_stage: list[list[_Param]] = [[] for _ in specs]
     engram = [_EngramBytes() for _ in specs]
     for name, p in model.named_parameters():
@@ -407,6 +467,7 @@ def plan_memory(
         _static_rows(plan, run, params)
         engram[spec.index].rows(plan, run.cfg.model.engram)
         kept[spec.index].rows(plan)
+        quant[spec.index].rows(plan, _dtype_bytes(run))
         activation_rows(plan, cfg, spec, seq=run.cfg.data.seq_length, cp=sizes.cp,
                         b=_dtype_bytes(run), held=in_flight(micro, sizes.pp, spec.index),
                         supervised_fraction=supervised_fraction,

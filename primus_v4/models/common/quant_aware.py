@@ -22,8 +22,9 @@ Cost: one quantize + dequantize of each such weight per step (on the CPU, where 
 quantizes), and the rounded copy held beside the weight for the step (one model-dtype copy of
 the quantized weights, transient). Under LoRA, each adapted weight's merged float32 sum and its
 rounding live while its op runs (the routed experts inside the recomputed checkpoint, so the
-backward makes them again), and the op's weight gradient, [out, in], is formed transiently to
-reach B and A.
+backward makes them again), each adapted linear's and wo_a's served weight is saved for its
+backward (model dtype), and the op's weight gradient, [out, in], is formed transiently to reach B
+and A. The memory plan counts each of these (memory/plan.py, `_QuantBytes`).
 """
 
 from __future__ import annotations

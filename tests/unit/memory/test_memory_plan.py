@@ -139,3 +139,43 @@ def test_a_base_kept_as_released_saves_only_the_experts_input() -> None:
         assert plan[True][row] < plan[False][row]
         assert measured[True][kind] < measured[False][kind]
         assert plan[True][row] == pytest.approx(measured[True][kind], rel=0.05), kind
+
+
+def test_quant_aware_counts_the_rounded_weights_and_the_served_merges() -> None:
+    """train.quant_aware=release: full fine-tuning holds each weight the release stores FP8 /
+    FP4 (and, in a float32 run, bf16) rounded beside the full-precision one for the step; LoRA
+    saves each adapted linear's and wo_a's served weight for the backward and merges one layer's
+    experts at a time (fp32 merge + rounding, the served copy and its gradient)."""
+    from primus_v4.models.common.lora import GroupedLoRA, LoRALinear
+    from primus_v4.models.deepseek_v4.release.state_dict_adapter import name_table
+    from primus_v4.training.build import assemble
+
+    row = "quant_aware: weights as released, beside full precision"
+    run = resolve_run(load_config(overrides=["data.seq_length=1024"]), world=1)
+    table = name_table(run.model)
+
+    def stored(n: str) -> set[str]:
+        return {r.kind for r in table[n].release} if n in table else {"float32"}
+
+    params = dict(build_model(run).named_parameters())
+    quantized = sum(p.numel() for n, p in params.items() if stored(n) <= {"fp8", "fp4"})
+    bf16 = sum(p.numel() for n, p in params.items() if stored(n) == {"bf16"})
+    assert quantized and bf16
+    assert _rows("train.quant_aware=release")[row] == (4 * (quantized + bf16), 0)
+    assert _rows("train.quant_aware=release", "model.dtype=bfloat16")[row] == (2 * quantized, 0)
+    assert not any(name.startswith("quant_aware") for name in _rows())
+
+    lora = (*LORA, "model.lora.base=release", "train.quant_aware=release")
+    lora_run = resolve_run(load_config(overrides=list(lora)), world=1)
+    model = assemble(lora_run.model, lora_run.cfg.model, seed=0).model  # on meta, adapted
+    served = 0
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            served += m.in_features * m.out_features
+        elif isinstance(m, GroupedLoRA):
+            served += m.lora_A.shape[0] * m.lora_B.shape[1] * m.lora_A.shape[2]
+    rows = _rows(*lora)
+    assert rows["quant_aware LoRA: served weights saved for backward"] == (4 * served, 0)
+    cfg = run.model  # one layer's routed experts: w_gate_up [E, 2F, D] + w_down [E, D, F]
+    experts = 3 * cfg.num_moe_experts * cfg.moe_ffn_hidden_size * cfg.hidden_size
+    assert rows["quant_aware LoRA: one weight merged, rounded, its grad"] == (20 * experts, 0)
