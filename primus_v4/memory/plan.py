@@ -160,7 +160,8 @@ class _QuantBytes:
     full-precision ones for the step; under LoRA, `served` the served weights of the adapted
     linears and wo_a, which their matmuls save for the backward, and `unit` the values of the
     largest weight merged at once (a layer's routed experts, inside their checkpoint, or one
-    linear); `scratch` the values of the largest weight the CPU rounds at once."""
+    linear); `scratch` the values of the largest weight rounded at once (on its device, by the
+    kernel seam's `release_round`)."""
 
     rounded: int = 0
     served: int = 0
@@ -177,8 +178,8 @@ class _QuantBytes:
         if self.unit:  # fp32 merge + its rounding, the served copy and its gradient (+ fp32)
             plan.add("quant_aware LoRA: one weight merged, rounded, its grad", self.unit *
                      (12 + 2 * b), phase="backward")  # fmt: skip
-        if self.scratch:  # the value in fp32, its codes and scales, decoded fp32
-            plan.add("quant_aware: rounding scratch of one weight (CPU)", 0, 9 * self.scratch,
+        if self.scratch:  # the torch reference's float32 temporaries (the Triton kernel: 1)
+            plan.add("quant_aware: rounding one weight, <= 8 fp32 temporaries", 32 * self.scratch,
                      phase="backward")  # fmt: skip
 
 

@@ -22,7 +22,8 @@ def test_cpu_table_names_every_op_and_every_refusal(capsys, monkeypatch) -> None
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     assert main(["inspect", "kernels", "--json"]) == 0
     rows = _rows(capsys)
-    assert set(rows) == {"sparse_attention", "grouped_experts", "compressor_pool", "indexer_topk"}
+    assert set(rows) == {"sparse_attention", "grouped_experts", "compressor_pool", "indexer_topk",
+                         "release_round"}  # fmt: skip
     for row in rows.values():
         assert row["chosen"] == "torch"
         assert set(row["refused"]) == set(registry.BACKENDS) - {"torch"}

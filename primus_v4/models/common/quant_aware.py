@@ -3,14 +3,16 @@ forward and backward of a step use every weight the release stores FP8 / FP4 as 
 would store it, with a straight-through gradient into the full-precision weight.
 
 How: for the step's forwards and backwards (and an evaluation), each such parameter's data is
-swapped for its release rounding (`rounding(w)`: the release writer's quantization of each of
-its release parts, `checkpoint_formats.fp8_fp4.quantize`, decoded back by the loader's
-`dequantize`; models/<family>/release/kept_base.py builds it on the family's name table and
-block shapes), then swapped back before the optimizer step. The gradient autograd computes is
-the plain backward evaluated at the quantized weights, and it lands on the parameter (and its
-fp32 master) unchanged: the straight-through estimator. The weights themselves keep full
-precision. A weight the release stores bf16 is used rounded to bf16 when the run holds it wider
-(float32 on a CPU; a bf16 run holds it so already); float32 ones are used as they are.
+swapped for its release rounding (`rounding(w)`: each of its release parts through the kernel seam's
+`release_round` op (kernels/release_round.py): the release writer's quantizer,
+`checkpoint_formats.fp8_fp4.quantize`, then the loader's `dequantize`, bit for bit, computed on the
+weight's device by its torch reference or Triton kernel; models/<family>/release/kept_base.py names
+the parts and block shapes from the family's name table), then swapped back before the optimizer
+step. The gradient autograd computes is the plain backward evaluated at the quantized weights, and
+it lands on the parameter (and its fp32 master) unchanged: the straight-through estimator. The
+weights themselves keep full precision. A weight the release stores bf16 is used rounded to bf16
+when the run holds it wider (float32 on a CPU; a bf16 run holds it so already); float32 ones are
+used as they are.
 
 LoRA (`model.lora.base: release`): the base is frozen and already as released, so what the
 release would store is the merged weight. Each adapted module (models/common/lora.py) is given
@@ -18,8 +20,8 @@ its weight's rounding for the step, and its forward uses `rounding(W + s B A)` (
 the merged export makes it, float32) with the straight-through gradient into B and A: the merged
 FP8 / FP4 export is the model that trained.
 
-Cost: one quantize + dequantize of each such weight per step (on the CPU, where the writer
-quantizes), and the rounded copy held beside the weight for the step (one model-dtype copy of
+Cost: one quantize + dequantize of each such weight per step (on the weight's device), and the
+rounded copy held beside the weight for the step (one model-dtype copy of
 the quantized weights, transient). Under LoRA, each adapted weight's merged float32 sum and its
 rounding live while its op runs (the routed experts inside the recomputed checkpoint, so the
 backward makes them again), each adapted linear's and wo_a's served weight is saved for its
@@ -36,6 +38,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from primus_v4.checkpoint_formats.fp8_fp4 import QuantFormat
+from primus_v4.kernels.registry import resolve
+from primus_v4.kernels.release_round import OP_NAME
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]
 
@@ -113,23 +119,33 @@ class QuantAware:
 def release_rounding_of(
     model: nn.Module,
     entries: Mapping[str, Any],
-    source_of: Callable[[Any, tuple[int, ...]], nn.Module],
-    quantize_into: Callable[[nn.Module, Any, torch.Tensor], None],
+    *,
+    split: Callable[[Any, torch.Tensor], list[torch.Tensor]],
+    join: Callable[[Any, list[torch.Tensor]], torch.Tensor],
+    format_of: Callable[[Any], QuantFormat],
     bf16: frozenset[str] = frozenset(),
 ) -> QuantAware:
     """The parameters of `model` named in `entries` (their name-table entries: the ones the
-    release stores FP8 / FP4), each rounded as a family's kept base stores it:
-    `quantize_into(source_of(entry, shape), entry, value)`, then that `ReleaseWeight` decoded;
-    those named in `bf16` (stored bf16 by the release) rounded to bf16 when they are held wider
-    (a float32 run); frozen ones too (a LoRA base as the run holds it is the release's). Under
-    LoRA, each adapted module with the rounding of the weights it adapts (their merge is float32:
-    bf16-stored ones are rounded to bf16; float32-stored ones are left as they are)."""
+    release stores FP8 / FP4), each rounded as the release stores it: `split` into its release
+    tensors (2-D views), each put through the `release_round` op in its `format_of(entry)`
+    blocks, `join`ed back into our layout (rows whose blocks are one row long go through the op
+    as one tensor); those named in `bf16` (stored bf16 by the release) rounded to bf16 when they
+    are held wider (a float32 run); frozen ones too (a LoRA base as the run holds it is the
+    release's). Under LoRA, each adapted module with the rounding of the weights it adapts
+    (their merge is float32: bf16-stored ones are rounded to bf16; float32-stored ones are left
+    as they are)."""
+    op = resolve(OP_NAME)
 
     def quantized(entry: Any) -> Rounding:
+        fmt = format_of(entry)
+        blocks = {"kind": fmt.kind, "block_rows": fmt.block_rows, "block_cols": fmt.block_cols}
+
         def rounding(value: torch.Tensor) -> torch.Tensor:
-            source = source_of(entry, tuple(value.shape))
-            quantize_into(source, entry, value)
-            return source().to(value.device)
+            value = value.detach()
+            parts = split(entry, value)
+            if fmt.block_rows == 1 and all(p.shape[-1] == value.shape[-1] for p in parts):
+                return op(value.reshape(-1, value.shape[-1]), **blocks).view(value.shape)
+            return join(entry, [op(p, **blocks) for p in parts])
 
         return rounding
 

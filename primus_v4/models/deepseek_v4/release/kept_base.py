@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from primus_v4.checkpoint_formats.fp8_fp4 import quantize_fp4, quantize_fp8
-from primus_v4.models.common.kept_base import ReleaseWeight, install
+from primus_v4.models.common.kept_base import V4_FORMATS, ReleaseWeight, install
 from primus_v4.models.common.quant_aware import QuantAware, release_rounding_of
 from primus_v4.models.deepseek_v4.config import DeepseekV4Config
 from primus_v4.models.deepseek_v4.release import state_dict_adapter as adapter
@@ -69,14 +69,17 @@ def keep_release_base(model: nn.Module, cfg: DeepseekV4Config, *, dtype: torch.d
 
 def release_rounding(model: nn.Module, cfg: DeepseekV4Config) -> QuantAware:
     """Every parameter of `model` the release stores FP8 / FP4 (as `keep_release_base` keeps),
-    each with its release rounding: quantized as the release's writer quantizes each part,
-    decoded as the loader decodes it (models/common/quant_aware.py)."""
-    entries = {n: e for n, e in adapter.name_table(cfg).items()
+    each with its release rounding: each release part quantized as the release's writer
+    quantizes it and decoded as the loader decodes it (models/common/quant_aware.py)."""
+    table = adapter.name_table(cfg)
+    entries = {n: e for n, e in table.items()
                if e.release and {r.kind for r in e.release} <= {"fp8", "fp4"}}  # fmt: skip
-
-    def source_of(entry: adapter.TableEntry, shape: tuple[int, ...]) -> ReleaseWeight:
-        return ReleaseWeight(entry, shape=shape, dtype=torch.float32, device="cpu")
-
-    bf16 = frozenset(n for n, e in adapter.name_table(cfg).items()
+    bf16 = frozenset(n for n, e in table.items()
                      if e.release and {r.kind for r in e.release} == {"bf16"})  # fmt: skip
-    return release_rounding_of(model, entries, source_of, _quantize_into, bf16=bf16)
+
+    def join(entry: adapter.TableEntry, parts: list[torch.Tensor]) -> torch.Tensor:
+        return adapter.join_release(entry, parts, rows=len(parts) // 2)  # gate_up: 2 per expert
+
+    return release_rounding_of(model, entries, split=adapter.split_release, join=join,
+                               format_of=lambda e: V4_FORMATS[e.release[0].kind],
+                               bf16=bf16)  # fmt: skip

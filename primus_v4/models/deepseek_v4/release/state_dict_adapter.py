@@ -346,6 +346,12 @@ def _join(entry: TableEntry, parts: list[torch.Tensor], rows: int) -> torch.Tens
     raise ValueError(f"unknown table op {entry.op!r}")
 
 
+def join_release(entry: TableEntry, parts: list[torch.Tensor], *, rows: int) -> torch.Tensor:
+    """Release tensors (`split_release`'s order) as our tensor `entry.ours`; `rows`: the
+    experts of a routed-expert entry."""
+    return _join(entry, parts, rows)
+
+
 def split_release(entry: TableEntry, t: torch.Tensor) -> list[torch.Tensor]:
     """Our tensor `t` (`entry.ours`, possibly an expert shard) as views of its release tensors,
     in `entry.release_names` order."""

@@ -78,13 +78,10 @@ def keep_release_base(model: nn.Module, cfg: DeepseekV41Config, *, dtype: torch.
 
 def release_rounding(model: nn.Module, cfg: DeepseekV41Config) -> QuantAware:
     """Every parameter of `model` the release stores FP8 / FP4 (as `keep_release_base` keeps),
-    each with its release rounding: quantized as the release's writer quantizes each part,
-    decoded as the loader decodes it (models/common/quant_aware.py)."""
-    entries = {n: e for n, e in adapter.name_table(cfg).items() if e.kind in KEPT}
-
-    def source_of(entry: adapter.Entry, shape: tuple[int, ...]) -> ReleaseWeight:
-        return ReleaseWeight(stored_entry(entry), shape=shape, dtype=torch.float32,
-                             device="cpu", formats=FORMATS)  # fmt: skip
-
-    bf16 = frozenset(n for n, e in adapter.name_table(cfg).items() if e.kind == "bf16")
-    return release_rounding_of(model, entries, source_of, _quantize_into, bf16=bf16)
+    each with its release rounding: each release part quantized as the release's writer
+    quantizes it and decoded as the loader decodes it (models/common/quant_aware.py)."""
+    table = adapter.name_table(cfg)
+    entries = {n: e for n, e in table.items() if e.kind in KEPT}
+    bf16 = frozenset(n for n, e in table.items() if e.kind == "bf16")
+    return release_rounding_of(model, entries, split=adapter.split, join=adapter.join,
+                               format_of=lambda e: FORMATS[e.kind], bf16=bf16)  # fmt: skip
