@@ -291,10 +291,10 @@ def check_draft(cfg: RunConfig, sizes: ParallelDims, family: str, model: Any = N
         )
 
 
-def check_quant_aware(cfg: RunConfig, sizes: ParallelDims) -> None:
+def check_quant_aware(cfg: RunConfig) -> None:
     """`train.quant_aware: release`: full fine-tuning, or LoRA on the base kept as released (the
-    merge is what is rounded) with no adapter dropout (the merged weight has none); expert
-    shards whole on each rank (ep 1) for now; refused in one line otherwise."""
+    merge is what is rounded) with no adapter dropout (the merged weight has none); refused in
+    one line otherwise."""
     if cfg.train.quant_aware == "none":
         return
     where = f"train.quant_aware={cfg.train.quant_aware}"
@@ -308,9 +308,6 @@ def check_quant_aware(cfg: RunConfig, sizes: ParallelDims) -> None:
         raise ConfigError(f"{where} with model.lora.dropout={lora.dropout}: the merged weight "
                           "the served model uses has no adapter dropout; set "
                           "model.lora.dropout=0")  # fmt: skip
-    if sizes.ep > 1:
-        raise ConfigError(f"{where} with parallel.ep={sizes.ep}: not implemented yet for "
-                          "expert shards; set parallel.ep=1 or train.quant_aware=none")  # fmt: skip
 
 
 def pretrained_model_config(spec: ModelSpec, directory: str, overrides: dict[str, Any]) -> Any:
@@ -529,7 +526,7 @@ def resolve_run(cfg: RunConfig, world: int | None = None, *, geometry: bool = Fa
             release = model_config(dataclasses.replace(cfg, model=dataclasses.replace(
                 cfg.model, draft=type(cfg.model.draft)())), geometry=geometry)  # fmt: skip
         check_draft(cfg, sizes, family, release)
-    check_quant_aware(cfg, sizes)
+    check_quant_aware(cfg)
     model = model_config(cfg, geometry=geometry)
     check_vocabulary(cfg, model)
     _say_what_model(cfg, model)

@@ -189,17 +189,20 @@ def _count_quant(model: Any, run: Any, specs: list[Any], has_mtp: bool,
     rounding = spec_of(run.model).release.release_rounding(model, run.model)
     b = _dtype_bytes(run)
     for w in rounding.weights:
+        numel = w.param.numel() // (run.sizes.ep if _is_expert_shard(w.name, run.cfg.model.lora)
+                                    else 1)  # fmt: skip
         for s in _stage_of(w.name, specs, has_mtp):
-            quant[s].rounded += w.param.numel() * w.param.element_size()
-            quant[s].scratch = max(quant[s].scratch, w.param.numel())
+            quant[s].rounded += numel * w.param.element_size()
+            quant[s].scratch = max(quant[s].scratch, numel)
     experts: dict[tuple[int, str], int] = {}
     for m in rounding.merged:
         owner = m.name.rpartition(".")[0]
         parent = model.get_submodule(owner) if owner else model
         if hasattr(m.module, "in_features"):  # an adapted linear
             sizes = [m.module.in_features * m.module.out_features]
-        else:
-            sizes = [math.prod(getattr(parent, f"{a}_release").shape) for a in m.rounding]
+        else:  # wo_a, or the routed experts (this rank's 1 / ep of them)
+            ep = run.sizes.ep if m.name.endswith(".expert_lora") else 1
+            sizes = [math.prod(getattr(parent, f"{a}_release").shape) // ep for a in m.rounding]
         for s in _stage_of(m.name, specs, has_mtp):
             if m.name.endswith(".expert_lora"):
                 experts[s, owner] = experts.get((s, owner), 0) + sum(sizes)

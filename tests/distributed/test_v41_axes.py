@@ -57,6 +57,9 @@ LAYOUTS = {
             "model.engram.placement=sharded",
             "model.engram.trainable=true",
         ),
+        # quantization-aware: each rank rounds its own experts' FP4 rows (one scale per 32
+        # inputs of a row, so a shard's rounding is the whole's rows)
+        "ep2 quant_aware": ("parallel.ep=2", "train.quant_aware=release"),
     },
     4: {
         "pp2xcp2": ("parallel.pp=2", "parallel.pp_layout=Et*2|t*4L", "parallel.cp=2"),
@@ -65,7 +68,7 @@ LAYOUTS = {
 }
 # The reference of each layout: one process with the same `model.engram` (frozen replicated by
 # default; the trainable layouts against trainable replicated).
-REFERENCE = {"dp2 engram sharded trainable": "one trainable"}
+REFERENCE = {"dp2 engram sharded trainable": "one trainable", "ep2 quant_aware": "one quant_aware"}
 # float32 model: only summation order (CP/DP gradient sums, all-to-all regrouping) differs.
 TOLERANCE = 1e-5
 
@@ -96,7 +99,9 @@ def _rank(rank: int, world: int, out: str) -> dict[str, dict]:
     if world == 1:
         trainable = ("model.engram.trainable=true",)
         return {"one": _train(1, Path(out) / "one", ()),
-                "one trainable": _train(1, Path(out) / "trainable", trainable)}  # fmt: skip
+                "one trainable": _train(1, Path(out) / "trainable", trainable),
+                "one quant_aware": _train(1, Path(out) / "qat",
+                                          ("train.quant_aware=release",))}  # fmt: skip
     got = {
         name: _train(world, Path(out) / name / f"rank{rank}", parallel)
         for name, parallel in LAYOUTS[world].items()
@@ -197,7 +202,7 @@ def _check(single: dict, ranks: list[dict]) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_axis_matches_one_process(single, world: int, tmp_path: Path) -> None:
     ranks = run_ranks(_rank, world, str(tmp_path), timeout_s=600)
-    for name in ("one", "one trainable"):
+    for name in ("one", "one trainable", "one quant_aware"):
         print(f"\n{name} process:", [[round(r[k], 6) for k in KEYS] for r in single[name]["rows"]])
     _check(single, ranks)
     single = single["one"]

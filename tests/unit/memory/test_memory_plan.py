@@ -163,6 +163,9 @@ def test_quant_aware_counts_the_rounded_weights_and_the_served_merges() -> None:
     assert quantized and bf16
     assert _rows("train.quant_aware=release")[row] == (4 * (quantized + bf16), 0)
     assert _rows("train.quant_aware=release", "model.dtype=bfloat16")[row] == (2 * quantized, 0)
+    experts = sum(p.numel() for n, p in params.items() if n.endswith(("w_gate_up", "w_down")))
+    ep2 = _rows("train.quant_aware=release", "parallel.ep=2", "train.global_batch_size=2", world=2)
+    assert ep2[row] == (4 * (quantized + bf16 - experts // 2), 0)  # half the experts each
     assert not any(name.startswith("quant_aware") for name in _rows())
 
     lora = (*LORA, "model.lora.base=release", "train.quant_aware=release")

@@ -159,10 +159,9 @@ def test_a_quant_aware_run_trains_full_precision_weights_against_their_rounding(
             1,
             "with model.lora.dropout=0.1: the merged weight",
         ),
-        (("parallel.ep=2", "train.global_batch_size=2"), 2, "with parallel.ep=2: not implemented"),
     ],
 )
-def test_what_is_not_implemented_yet_is_refused(tmp_path: Path, extra, world, message) -> None:
+def test_what_quant_aware_cannot_train_is_refused(tmp_path: Path, extra, world, message) -> None:
     items = ["train.quant_aware=release", f"output.dir={tmp_path}", *extra]
     with pytest.raises(ConfigError, match=message):
         resolve_run(load_config(overrides=items), world=world)
