@@ -15,6 +15,7 @@ Torch-free: the map is a numpy int64 array (`torch.from_numpy` shares it).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -105,11 +106,20 @@ def build_token_map(path: str | os.PathLike) -> TokenMap:
     return TokenMap(ids=ids, size=len(keys), source=file)
 
 
+@functools.lru_cache(maxsize=4)
+def _built(file: str, size: int, mtime_ns: int) -> TokenMap:
+    del size, mtime_ns  # the cache key: a rewritten tokenizer.json is built again
+    return build_token_map(file)
+
+
 def token_map_of(path: str | os.PathLike, cfg: EngramSizes) -> np.ndarray:
     """The token map of the tokenizer at `path` (a release or tokenizer directory, or the
     tokenizer.json) for the model `cfg`: refused unless its size is the config's
-    `engram_compressed_vocab_size`."""
-    token_map = build_token_map(path)
+    `engram_compressed_vocab_size`. Built once per tokenizer file (path, size, mtime): the
+    release check of a dry run and the run's load share it."""
+    file = tokenizer_file(path)
+    st = file.stat()
+    token_map = _built(str(file), st.st_size, st.st_mtime_ns)
     expected = cfg.engram_compressed_vocab_size
     if token_map.size != expected:
         raise DataError(

@@ -1,6 +1,7 @@
 """The dry run checks what the run checks, before any packing: a release whose vocabulary is
-smaller than the tokenizer's ids, and a tracker package that is installed but fails to import,
-are each one line from `train --dry-run` (and from the run, through the same checks)."""
+smaller than the tokenizer's ids, a V4.1 release whose tokenizer's Engram map differs from its
+config, and a tracker package that is installed but fails to import, are each one line from
+`train --dry-run` (and from the run, through the same checks)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,32 @@ def test_a_tracker_that_fails_to_import_is_one_line_before_work(
         "(ImportError: libprotobuf is too old); reinstall it (pip install 'primus_v4[wandb]') "
         "or set output.tracker=none"
     ]
+
+
+def test_a_tokenizer_whose_engram_map_differs_from_the_config_is_refused_by_the_dry_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A V4.1 release whose tokenizer makes another number of compressed ids than its config's
+    engram_compressed_vocab_size (every Engram table would be hashed with another map): the
+    release check, which the dry run and the run both make, refuses it in one line."""
+    import json
+
+    release = tmp_path / "release"
+    shutil.copytree(GOLDEN, release)
+    config = json.loads((release / "config.json").read_text())
+    text = config.get("text_config", config)
+    size = text["engram_compressed_vocab_size"]
+    text["engram_compressed_vocab_size"] = size - 1
+    (release / "config.json").write_text(json.dumps(config))
+    start = time.perf_counter()
+    code = _dry_run(tmp_path, release)
+    seconds = time.perf_counter() - start
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1, err
+    assert err[0].endswith(
+        f"{release / 'tokenizer.json'}: its Engram token map has {size} "
+        f"compressed ids but the model config's engram_compressed_vocab_size "
+        f"is {size - 1}; use the tokenizer the model was released with"
+    ), err
+    assert not (tmp_path / "packs").exists(), "packed before refusing"
+    print(f"refused in {seconds:.2f} s, exit {code}: {err[0]}")

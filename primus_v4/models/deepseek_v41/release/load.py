@@ -150,7 +150,12 @@ def rank_loader(directory: str | os.PathLike, *, progress: bool = False):
 
 def check(directory: str | os.PathLike, cfg: DeepseekV41Config, *, keep_release: bool = False):
     """Index, shard headers and names of `directory` against the model config (no tensor read);
-    with `keep_release`, that every weight kept as released is stored FP8 / FP4."""
+    with `keep_release`, that every weight kept as released is stored FP8 / FP4; and that the
+    release's tokenizer makes the Engram token map the config sizes (`release_token_map`, which
+    the load builds from the same file; a release without one is refused by the load, naming
+    the file)."""
+    if (Path(directory) / "tokenizer.json").is_file():
+        release_token_map(directory, cfg)
     with open_release(directory) as reader:
         check_release(reader, cfg)
         if keep_release:
