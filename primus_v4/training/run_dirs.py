@@ -20,7 +20,9 @@ link to another file, is refused in one line and nothing is written through it.
 Another run's outputs are an output.dir holding a config.yaml or a metrics.jsonl: refused unless
 this run continues that one (same checkpoint.dir, checkpoint.resume on) or
 `output.overwrite=true`, which first removes the old run's metrics, plot and event files so none
-of them is ever read beside the new run's.
+of them is ever read beside the new run's. A run that stops before its first step is recorded
+(a failed set-up, a first step that fails, Ctrl-C) removes what it wrote there (`FirstStep`), so
+it is never another run's outputs to its own rerun.
 """
 
 from __future__ import annotations
@@ -343,6 +345,33 @@ def _clear_artifacts(out: Path) -> None:
         gone.append(name)
     if gone:
         log.warning("output.overwrite: removed the previous run's %s from %s", ", ".join(gone), out)
+
+
+class FirstStep:
+    """What output.dir held before this run wrote to it. A run that fails (or is interrupted)
+    before its first step is recorded leaves nothing of its own behind: `undo` removes the
+    run's marks and artifacts that were not there before, so the same command, rerun once the
+    cause is fixed, is not refused as another run's outputs."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.before = {n for n in (*RUN_MARKS, *RUN_ARTIFACTS)
+                       if (out / n).exists() or (out / n).is_symlink()}  # fmt: skip
+
+    def undo(self) -> None:
+        gone = []
+        for name in dict.fromkeys((*RUN_MARKS, *RUN_ARTIFACTS)):
+            path = self.out / name
+            if name in self.before or not (path.exists() or path.is_symlink()):
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            gone.append(name)
+        if gone:
+            log.warning("the run stopped before its first step: removed its %s from %s, so a "
+                        "rerun starts there afresh", ", ".join(gone), self.out)  # fmt: skip
 
 
 def check(cfg: RunConfig) -> None:

@@ -42,6 +42,7 @@ from primus_v4.data.thd import ThdBatch
 from primus_v4.errors import PrimusError
 from primus_v4.log import get_logger
 from primus_v4.models import spec_of
+from primus_v4.training import run_dirs
 from primus_v4.training.batches import BatchSource, Corpus
 from primus_v4.training.build import assemble, meta_model
 from primus_v4.training.checkpoint import release_reads
@@ -406,24 +407,23 @@ class Trainer:
     def train(self) -> TrainResult:
         out_dir = Path(self.cfg.output.dir)
         main = self.runtime.is_main
-        if main:  # each checkpoint stores its own config (what export and resume read)
-            write_resolved(self.cfg, out_dir)
-        if self.checkpoints is not None:
-            self.start_step = self.checkpoints.load_latest(**self._state()) or 0
-        _log_attempt(self.start_step, self.checkpoints.root if self.checkpoints else None)
-        if main and self.start_step > 0:  # rows after the resumed step are redone: drop them
-            keep_rows_through(out_dir / "metrics.jsonl", self.start_step)
-        writer = (
-            MetricsWriter(
-                out_dir / "metrics.jsonl",
-                append=self.start_step > 0,
-                tracker=open_tracker(self.cfg, out_dir, resume=self.start_step > 0),
-            )
-            if main
-            else None
-        )
+        first = run_dirs.FirstStep(out_dir) if main else None
         rows: list[StepMetrics] = []
+        writer: MetricsWriter | None = None
         try:
+            if main:  # each checkpoint stores its own config (what export and resume read)
+                write_resolved(self.cfg, out_dir)
+            if self.checkpoints is not None:
+                self.start_step = self.checkpoints.load_latest(**self._state()) or 0
+            _log_attempt(self.start_step, self.checkpoints.root if self.checkpoints else None)
+            if main and self.start_step > 0:  # rows after the resumed step are redone: drop them
+                keep_rows_through(out_dir / "metrics.jsonl", self.start_step)
+            if main:
+                writer = MetricsWriter(
+                    out_dir / "metrics.jsonl",
+                    append=self.start_step > 0,
+                    tracker=open_tracker(self.cfg, out_dir, resume=self.start_step > 0),
+                )
             self._loop(rows, writer)
             result = self._finish(rows, out_dir)
             if writer is not None and writer.tracker is not None:
@@ -431,6 +431,14 @@ class Trainer:
                     result.artifacts[k] for k in ("plot", "metrics") if k in result.artifacts
                 ]
                 writer.tracker.log_artifacts(artifacts)
+        except BaseException:
+            if writer is not None:  # the failure is what to report, not a failing close
+                writer, closing = None, writer
+                with contextlib.suppress(Exception):
+                    closing.close()
+            if first is not None and not rows:  # nothing recorded: leave output.dir as found
+                first.undo()
+            raise
         finally:
             if writer is not None:
                 writer.close()

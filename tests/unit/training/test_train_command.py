@@ -39,3 +39,33 @@ def test_train_command_runs_the_real_pipeline(
     assert rows[0]["mtp_loss"] > 0 and rows[0]["aux_loss"] > 0
     assert (out / "loss.png").is_file()
     assert load_config(out / "config.yaml").data.path == "synthetic:rows=24"
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_output_dir_as_it_found_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A set-up failure (here the tensorboard path is a file) after config.yaml was written:
+    the run removes what it wrote, so the same command, rerun once the cause is gone, runs
+    instead of being refused as another run's outputs. What was there before stays."""
+    from primus_v4.cli import main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tensorboard").write_text("not a directory\n")
+    (out / "notes.txt").write_text("the user's own file\n")
+    items = [
+        "data.path=synthetic:rows=24", "data.seq_length=256",
+        f"data.cache_dir={tmp_path / 'cache'}", f"data.lock_dir={tmp_path / 'locks'}",
+        "train.steps=1", "train.warmup_steps=0", "train.global_batch_size=1",
+        f"output.dir={out}", "output.progress_bar=false", "output.tracker=tensorboard",
+    ]  # fmt: skip
+    argv = ["train", *[arg for item in items for arg in ("--set", item)]]
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "tensorboard" in err
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "notes.txt", "tensorboard"]  # fmt: skip
+    (out / "tensorboard").unlink()
+    assert main(argv) == 0, capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
+    assert (out / "notes.txt").read_text() == "the user's own file\n"
