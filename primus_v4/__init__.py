@@ -2,7 +2,8 @@
 to many nodes.
 
 The stable public API: `load_pretrained` and `save_pretrained` (a release directory in and out,
-dispatched on its config.json `model_type` to the model family that owns it).
+dispatched on its config.json `model_type` to the model family that owns it), and
+`image_patches` (a picture as DeepSeek-V4.1's ViT takes it, primus_v4/data/images.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "load_pretrained", "save_pretrained"]
+__all__ = ["__version__", "image_patches", "load_pretrained", "save_pretrained"]
 
 
 def load_pretrained(
@@ -51,3 +52,12 @@ def save_pretrained(
     from primus_v4.models import spec_of
 
     return spec_of(model).release.save(model, out, dtype=dtype, **options)
+
+
+def image_patches(image: Any, config: Any) -> tuple[torch.Tensor, tuple[int, int]]:
+    """(patches bf16 [h * w, 3, 14, 14], (h, w) the ViT grid) of `image` (a path, the file's
+    bytes or a PIL image) as DeepSeek-V4.1's image processor makes them, sized by `config` (a
+    release's config.json dict or model config with its `vision_config`, or that mapping)."""
+    from primus_v4.data.images import image_patches as patches_of
+
+    return patches_of(image, config)
