@@ -34,6 +34,8 @@ class RoutingInputs:
     segment_R:     global segment index (into cu_seqlens) of each routed row.
     num_segments:  N, segments in the whole pack.
     layout:        the pack's RowLayout (its comm reduces balance statistics under CP).
+    image_R:       True on routed rows of an image span (DeepSeek-V4.1: they select experts
+                   with the router's `bias_vl`); None without images.
     """
 
     token_ids_T: torch.Tensor
@@ -41,6 +43,7 @@ class RoutingInputs:
     segment_R: torch.Tensor
     num_segments: int
     layout: RowLayout
+    image_R: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -48,6 +51,7 @@ class RoutingInputs:
         token_ids_T: torch.Tensor,
         layout: RowLayout,
         padding_mask_T: torch.Tensor | None,
+        image_T: torch.Tensor | None = None,
     ) -> RoutingInputs:
         t = token_ids_T.shape[0]
         device = token_ids_T.device
@@ -64,6 +68,7 @@ class RoutingInputs:
             segment_R=segment_T[routed],
             num_segments=cu.numel() - 1,
             layout=layout,
+            image_R=None if image_T is None else image_T.to(device).bool()[routed],
         )
 
 
@@ -192,7 +197,7 @@ class Router(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        for name in ("bias", "load"):
+        for name in ("bias", "bias_vl", "load"):
             buf = self._buffers.get(name)
             if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
                 self._buffers[name] = buf.float()
@@ -210,7 +215,11 @@ class Router(nn.Module):
             ids_R = routing.token_ids_T.index_select(0, routing.routed_rows_R)
             expert_RK = self.tid2eid.index_select(0, ids_R.long()).long()
         else:
-            biased_RE = scores_RE.detach() + self.bias.float()
+            bias = self.bias.float()
+            bias_vl = getattr(self, "bias_vl", None)
+            if routing.image_R is not None and bias_vl is not None:  # image rows: bias_vl
+                bias = torch.where(routing.image_R[:, None], bias_vl.float(), bias)
+            biased_RE = scores_RE.detach() + bias
             expert_RK = biased_RE.topk(self.topk, dim=-1).indices
         self._count(expert_RK)
         picked_RK = scores_RE.gather(1, expert_RK)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from primus_v4.data.images import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START
 from primus_v4.errors import ConfigError
 from primus_v4.models.deepseek_v4.hyper_connection import lift_streams
 from primus_v4.models.deepseek_v4.layout import RowLayout, SeqComm
@@ -154,6 +155,15 @@ class DeepseekV41Model(DeepseekV4Model):
         drafter = drafter or cfg.dspark_train != "off"
         self.dspark = DSparkDrafter(cfg) if drafter else None
         self.engram_rows = EngramRows(cfg) if cfg.engram_layer_ids else None
+        for block in self.layers:  # image positions select experts with bias_vl (vision.py)
+            router = block.moe.router
+            if not router.hashed:
+                dev = router.bias.device
+                zeros = torch.zeros(router.num_experts, dtype=torch.float32, device=dev)
+                router.register_buffer("bias_vl", zeros, persistent=False)
+        # the release's image encoder (vision.py), set by `set_image_encoder`; held outside the
+        # module tree for now (frozen: not a parameter, not in checkpoints or exports)
+        self.__dict__["image_encoder"] = None
         if not self.embedding.weight.is_meta:
             self.init_weights(seed)
         if cfg.dspark_train == "joint":  # its gradients never scale the backbone's in a clip
@@ -163,20 +173,64 @@ class DeepseekV41Model(DeepseekV4Model):
                 p.requires_grad_(name.startswith("dspark."))
             self.checkpoint_prefixes = ("dspark.",)
 
+    def set_image_encoder(self, encoder: nn.Module | None) -> None:
+        """The image encoder (`vision.ImageEncoder`, e.g. `load_image_encoder(release)`) whose
+        embeddings fill a row's image spans; frozen (its parameters do not train)."""
+        if encoder is not None:
+            encoder.requires_grad_(False)
+        self.__dict__["image_encoder"] = encoder
+
+    def _merge_images(
+        self, x_TD: torch.Tensor, types_T: torch.Tensor, images: list | None
+    ) -> torch.Tensor:
+        """The embeddings of a row with image spans: each IMAGE cell the next row of the
+        images' embeddings (in span order), each span delimiter its learned vector."""
+        encoder = self.__dict__["image_encoder"]
+        if encoder is None:
+            raise ConfigError(
+                "token_types mark image positions but the model has no image encoder "
+                "(set_image_encoder, from a release with a vision tower)"
+            )
+        images = list(images or [])
+        cells_T = types_T == IMAGE
+        with torch.no_grad():
+            cells = [encoder.encode_image(p.to(x_TD.device), tuple(g)) for p, g in images]
+        n = sum(c.shape[0] for c in cells)
+        if n != int(cells_T.sum()):
+            raise ValueError(f"token_types mark {int(cells_T.sum())} image cells but the "
+                             f"{len(images)} images make {n}")  # fmt: skip
+        x_TD = x_TD.index_put((cells_T.nonzero().flatten(),), torch.cat(cells).to(x_TD.dtype))
+        for kind, name in ((IMAGE_START, "image_start"), (IMAGE_NEW_LINE, "image_newline"),
+                           (IMAGE_END, "image_end")):  # fmt: skip
+            vec = getattr(encoder, name).to(device=x_TD.device, dtype=x_TD.dtype)
+            x_TD = torch.where((types_T == kind)[:, None], vec, x_TD)
+        return x_TD
+
     def set_token_map(self, token_map: torch.Tensor) -> None:
         """The Engram token map of the tokenizer ([vocab] int64 compressed ids)."""
         if self.engram_rows is not None:
             self.engram_rows.set_token_map(token_map)
 
-    def engram_row_ids(self, ids_T: torch.Tensor, layout: RowLayout) -> torch.Tensor | None:
+    def engram_row_ids(
+        self, ids_T: torch.Tensor, layout: RowLayout, image_T: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """[T, L, C] Engram table rows of every row (offsets included), or None without Engram.
 
         Under context parallelism the n-gram look-back reads the previous rank's last
         max_n - 1 token ids (a sample that began there keeps its history; rows before the
-        sample's start still read the pad id)."""
+        sample's start still read the pad id). Image positions (`image_T`) are dead: their own
+        n-grams are all pad, and the look-back of later rows stops after them, as at a sample's
+        start."""
         if self.engram_rows is None:
             return None
         halo = self.cfg.engram_max_ngram_size - 1 if layout.comm.size > 1 else 0
+        if image_T is not None:
+            if halo:
+                raise ConfigError("images with context parallelism are not supported yet")
+            rows_T = torch.arange(ids_T.shape[0], device=ids_T.device)
+            dead_T = torch.where(image_T.to(ids_T.device), rows_T, -1).cummax(0).values
+            return self.engram_rows(ids_T, torch.maximum(layout.seq_start_T.to(rows_T.device),
+                                                         dead_T + 1))  # fmt: skip
         if not halo:
             return self.engram_rows(ids_T, layout.seq_start_T)
         ids = torch.cat([layout.comm.left_rows(ids_T, halo), ids_T])
@@ -196,11 +250,20 @@ class DeepseekV41Model(DeepseekV4Model):
         layout: RowLayout | None = None,
         comm: SeqComm | None = None,
         mtp_inputs: object | None = None,
+        token_types: torch.Tensor | None = None,
+        images: list | None = None,
     ) -> ModelOutput:
+        """token_types [1, T] (-1 text, 0-3 an image span's start, cell, new line, end) and
+        images [(patches, (h, w)), ...] in the order of the spans: the row's images
+        (`image_patches`, the image encoder set by `set_image_encoder`)."""
         del mtp_inputs  # no MTP depth in the V4.1 backbone
         ids_T, layout, pos_T, pad_T = self._rows(
             input_ids, position_ids, packed_seq_params, padding_mask, layout, comm
         )
+        types_T = None if token_types is None else _row(token_types, "token_types").to(ids_T.device)
+        image_T = None if types_T is None else types_T >= 0
+        if image_T is not None and not bool(image_T.any()):
+            image_T = None
         labels_T = _row(labels, "labels")
         mask_T = None if labels_T is None else self._main_mask(labels_T, loss_mask, pad_T)
         trains_draft = labels_T is not None and self.cfg.dspark_train != "off"
@@ -210,8 +273,11 @@ class DeepseekV41Model(DeepseekV4Model):
         frozen = self.cfg.dspark_train == "only"
         with self._capturing(captured if trains_draft else None), torch.no_grad() if frozen \
                 else contextlib.nullcontext():  # fmt: skip
-            x_TKD = lift_streams(self.embedding(ids_T), self.cfg.hc_mult)
-            h_TD, aux = self._layers(x_TKD, ids_T, pos_T, layout, pad_T)
+            x_TD = self.embedding(ids_T)
+            if image_T is not None:
+                x_TD = self._merge_images(x_TD, types_T, images)
+            x_TKD = lift_streams(x_TD, self.cfg.hc_mult)
+            h_TD, aux = self._layers(x_TKD, ids_T, pos_T, layout, pad_T, image_T)
             normed_TD = self.final_norm(h_TD)
             out = ModelOutput()
             self._head(out, normed_TD, labels_T, mask_T, mtp=False)
@@ -420,13 +486,14 @@ class DeepseekV41Model(DeepseekV4Model):
         pos_T: torch.Tensor,
         layout: RowLayout,
         pad_T: torch.Tensor | None,
+        image_T: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers, then the collapse of the streams by the last FFN's pre."""
         pre_TK = torch.zeros(x_TKD.shape[:2], dtype=torch.float32, device=ids_T.device)
         pre_TK[:, 0] = 1.0
         shared = self.shared_cache(layout, ids_T.device)
         x_TKD, pre_TK, _, aux = self.run_blocks(
-            self.layers, x_TKD, pre_TK, shared, ids_T, pos_T, layout, pad_T
+            self.layers, x_TKD, pre_TK, shared, ids_T, pos_T, layout, pad_T, image_T=image_T
         )
         return self.layers[-1].ffn_mix.collapse(x_TKD, pre_TK), aux
 
@@ -445,16 +512,21 @@ class DeepseekV41Model(DeepseekV4Model):
         pos_T: torch.Tensor,
         layout: RowLayout,
         pad_T: torch.Tensor | None,
+        *,
+        image_T: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, SharedCache, torch.Tensor]:
         """`blocks` in order (all of them, or one pipeline stage's): (streams, last FFN pre,
-        shared cache, summed balance loss)."""
+        shared cache, summed balance loss). `image_T`: the image positions (routed with
+        `bias_vl`, no Engram write)."""
         dev = ids_T.device
-        routing = RoutingInputs.build(ids_T, layout, pad_T)
+        routing = RoutingInputs.build(ids_T, layout, pad_T, image_T)
         blocks = list(blocks)
         rows_TLC = None
         if any(b.engram is not None for b in blocks):
-            rows_TLC = self.engram_row_ids(ids_T, layout)
+            rows_TLC = self.engram_row_ids(ids_T, layout, image_T)
         keep_T = None if pad_T is None else ~pad_T.to(dev).bool()
+        if image_T is not None:
+            keep_T = ~image_T.to(dev) if keep_T is None else keep_T & ~image_T.to(dev)
         aux = x_TKD.new_zeros((), dtype=torch.float32)
         engram_ids = self.cfg.engram_layer_ids
         for block in blocks:

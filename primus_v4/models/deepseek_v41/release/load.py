@@ -115,11 +115,26 @@ def load_rank_weights(
                 tensors.check_stored(reader, name, entry.kind)
                 reader.read_stored_into(name, codes, scales)
         placed = _read_placed_rows(model, reader, table)
+        _read_image_routing(model, reader)
     unfilled = sorted(n for n, _ in model.named_parameters() if n not in table and n not in placed)
     if unfilled:
         raise CheckpointFormatError(f"{path}: parameters without a release tensor: {unfilled}")
     if cfg.engram_layer_ids:
         model.set_token_map(release_token_map(path, cfg) if token_map is None else token_map)
+
+
+def _read_image_routing(model: nn.Module, reader: CheckpointReader) -> None:
+    """Each routed layer's `ffn.gate.bias_vl` (the expert-selection bias of image positions)
+    into its router, where the release has one (a buffer outside checkpoints: the release is
+    read again on resume)."""
+    names = set(reader.names())
+    for i, block in enumerate(getattr(model, "layers", ())):
+        router = block.moe.router
+        name = f"layers.{getattr(block, 'layer_idx', i)}.ffn.gate.bias_vl"
+        if getattr(router, "bias_vl", None) is not None and name in names:
+            router.bias_vl.copy_(
+                reader.read(name, torch.float32, shape=tuple(router.bias_vl.shape))
+            )
 
 
 def _read_placed_rows(model: nn.Module, reader: CheckpointReader, table: dict) -> set[str]:
