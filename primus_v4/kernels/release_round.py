@@ -82,8 +82,9 @@ def release_round_triton(
 ) -> torch.Tensor:
     from primus_v4.kernels import triton_release_round
 
+    check_finite(x)
     return triton_release_round.release_round(
-        x, kind=kind, block_rows=block_rows, block_cols=block_cols
+        x, limit=LIMITS[kind], fp8=kind == "fp8", block_rows=block_rows, block_cols=block_cols
     )
 
 

@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from primus_v4.kernels.release_round import LIMITS, check_finite
-
 ROWS_AT_ONCE = 64  # blocks of one row: a program takes this many rows of one column block
 
 
@@ -71,8 +69,10 @@ def _round_kernel(
     tl.store(out_ptr + offsets, out, mask=mask)
 
 
-def release_round(x: torch.Tensor, *, kind: str, block_rows: int, block_cols: int) -> torch.Tensor:
-    check_finite(x)
+def release_round(
+    x: torch.Tensor, *, limit: float, fp8: bool, block_rows: int, block_cols: int
+) -> torch.Tensor:
+    """The kernel on finite `x` [N, K] (release_round.py checks and dispatches)."""
     x = x.detach().contiguous()
     n, k = x.shape
     out = torch.empty(n, k, dtype=torch.float32, device=x.device)
@@ -83,7 +83,7 @@ def release_round(x: torch.Tensor, *, kind: str, block_rows: int, block_cols: in
     grid = (triton.cdiv(n, rows), triton.cdiv(k, block_cols))
     _round_kernel[grid](
         x, out, n, k, rows, block_cols,
-        LIMIT=LIMITS[kind], IS_FP8=kind == "fp8", ROWWISE=rowwise,
+        LIMIT=limit, IS_FP8=fp8, ROWWISE=rowwise,
         BR=triton.next_power_of_2(rows), BC=triton.next_power_of_2(block_cols),
     )  # fmt: skip
     return out
