@@ -70,6 +70,10 @@ def run_directories(cfg: RunConfig) -> dict[str, Path]:
     return dirs
 
 
+# where each tracker library writes under output.dir (training/metrics/trackers.py opens them)
+TRACKER_DIRS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlruns"}
+
+
 def path_problems(cfg: RunConfig) -> list[str]:
     """One line per problem: unwritable output/checkpoint/cache/lock dirs, a missing corpus file
     or tokenizer. Reads no data and imports no torch."""
@@ -94,6 +98,14 @@ def path_problems(cfg: RunConfig) -> list[str]:
         problems.append(tracker_missing(cfg.output.tracker))
     elif (broken := tracker_broken(cfg.output.tracker)) is not None:
         problems.append(broken)
+    tracker_dir = TRACKER_DIRS.get(cfg.output.tracker)
+    if tracker_dir is not None:
+        at = Path(cfg.output.dir) / tracker_dir
+        if (at.exists() or at.is_symlink()) and not at.is_dir():
+            problems.append(
+                f"output.tracker: {cfg.output.tracker} writes into {at}, which is not a "
+                "directory; move it away or choose another output.dir"
+            )
     online = cfg.output.tracker_mode == "online"
     if cfg.output.tracker == "mlflow" and online and not os.environ.get("MLFLOW_TRACKING_URI"):
         problems.append(

@@ -42,12 +42,14 @@ def test_train_command_runs_the_real_pipeline(
 
 
 def test_a_run_that_fails_before_its_first_step_leaves_output_dir_as_it_found_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A set-up failure (here the tensorboard path is a file) after config.yaml was written:
-    the run removes what it wrote, so the same command, rerun once the cause is gone, runs
-    instead of being refused as another run's outputs. What was there before stays."""
+    """A tensorboard path that is a file is refused by the preflight, before any packing. A
+    set-up failure after config.yaml was written (the tracker fails to open): the run removes
+    what it wrote, so the same command, rerun once the cause is gone, runs instead of being
+    refused as another run's outputs. What was there before stays."""
     from primus_v4.cli import main
+    from primus_v4.training import trainer
 
     out = tmp_path / "run"
     out.mkdir()
@@ -60,12 +62,22 @@ def test_a_run_that_fails_before_its_first_step_leaves_output_dir_as_it_found_it
         f"output.dir={out}", "output.progress_bar=false", "output.tracker=tensorboard",
     ]  # fmt: skip
     argv = ["train", *[arg for item in items for arg in ("--set", item)]]
-    assert main(argv) != 0
-    err = capsys.readouterr().err
-    assert "tensorboard" in err
-    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
-        "notes.txt", "tensorboard"]  # fmt: skip
+    assert main(argv) == 8
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"output.tracker: tensorboard writes into {out / 'tensorboard'}, "
+                            "which is not a directory; move it away or choose another "
+                            "output.dir"), err  # fmt: skip
+    assert not (tmp_path / "cache").exists(), "packed before refusing"
     (out / "tensorboard").unlink()
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trainer, "open_tracker", broken)
+    assert main(argv) != 0
+    assert "No space left on device" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["notes.txt"]
+    monkeypatch.undo()
     assert main(argv) == 0, capsys.readouterr().err
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
     assert (out / "notes.txt").read_text() == "the user's own file\n"
