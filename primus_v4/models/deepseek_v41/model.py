@@ -206,6 +206,26 @@ class DeepseekV41Model(DeepseekV4Model):
             x_TD = torch.where((types_T == kind)[:, None], vec, x_TD)
         return x_TD
 
+    @staticmethod
+    def _check_image_row(
+        image_T: torch.Tensor, mask_T: torch.Tensor | None, layout: RowLayout
+    ) -> None:
+        """Images run on one process or data parallel for now; and a target inside an image
+        span (its ids are placeholders) is never supervised: position t predicts t + 1 of its
+        sample, so a supervised t whose t + 1 is an image position is an error, not a silent
+        drop (the supervised count is made before the forward)."""
+        if layout.comm.size > 1:
+            raise ConfigError("rows with images under context parallelism are not supported yet")
+        if mask_T is None:
+            return
+        start_T = layout.seq_start_T.to(image_T.device)
+        next_image_T = torch.zeros_like(image_T)
+        next_image_T[:-1] = image_T[1:] & (start_T[1:] == start_T[:-1])
+        wrong = int(((mask_T > 0) & next_image_T).sum())
+        if wrong:
+            raise ValueError(f"loss_mask supervises {wrong} position(s) whose target is inside "
+                             "an image span (placeholder ids): mask them")  # fmt: skip
+
     def set_token_map(self, token_map: torch.Tensor) -> None:
         """The Engram token map of the tokenizer ([vocab] int64 compressed ids)."""
         if self.engram_rows is not None:
@@ -266,6 +286,8 @@ class DeepseekV41Model(DeepseekV4Model):
             image_T = None
         labels_T = _row(labels, "labels")
         mask_T = None if labels_T is None else self._main_mask(labels_T, loss_mask, pad_T)
+        if image_T is not None:
+            self._check_image_row(image_T, mask_T, layout)
         trains_draft = labels_T is not None and self.cfg.dspark_train != "off"
         if trains_draft:
             self._require_drafter(packed_seq_params)

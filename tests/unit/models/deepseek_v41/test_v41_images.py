@@ -97,3 +97,24 @@ def test_packed_documents_equal_each_alone(setup) -> None:
     alone = torch.cat([_forward(model, [d]) for d in docs])
     packed = _forward(model, docs)
     assert float((packed - alone).abs().max() / alone.abs().max()) <= 1e-5
+
+
+def test_a_supervised_image_target_is_an_error(setup) -> None:
+    """Training on a row with images: the loss counts text targets only; a loss_mask that
+    supervises a position whose next token is in an image span is refused, not dropped."""
+    model, _, docs = setup
+    doc = docs[0]  # an 8-position span at 0 (rows 0-6 predict inside it), then text
+    ids, pos, psp = pack([doc["ids"]])
+    types = doc["types"][None]
+    images = doc["images"]
+    labels = torch.roll(ids, -1, 1)
+    text_target = torch.roll(types < 0, -1, 1)
+    text_target[0, -1] = False
+    with torch.no_grad():
+        out = model(ids, pos, packed_seq_params=psp, token_types=types, images=images,
+                    labels=labels, loss_mask=text_target.float())  # fmt: skip
+        assert torch.isfinite(out.loss_sum)
+        everything = torch.ones_like(ids, dtype=torch.float32)
+        with pytest.raises(ValueError, match=r"supervises 7 position\(s\) whose target is"):
+            model(ids, pos, packed_seq_params=psp, token_types=types, images=images,
+                  labels=labels, loss_mask=everything)  # fmt: skip
