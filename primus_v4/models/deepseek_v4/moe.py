@@ -193,7 +193,14 @@ class Router(nn.Module):
     def reset_load(self) -> None:
         self.load.zero_()
 
-    init_buffers = reset_load  # `load` is the only derived buffer (zeroed after `to_empty`)
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """After `to_empty`: `load` zeroed, and a V4.1 router's `bias_vl` (not checkpoint
+        state: a release load fills it) zeroed until then."""
+        self.reset_load()
+        bias_vl = getattr(self, "bias_vl", None)
+        if bias_vl is not None:
+            bias_vl.zero_()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

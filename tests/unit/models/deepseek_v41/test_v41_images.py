@@ -118,3 +118,25 @@ def test_a_supervised_image_target_is_an_error(setup) -> None:
         with pytest.raises(ValueError, match=r"supervises 7 position\(s\) whose target is"):
             model(ids, pos, packed_seq_params=psp, token_types=types, images=images,
                   labels=labels, loss_mask=everything)  # fmt: skip
+
+
+def test_bias_vl_is_the_release_s_and_zero_without_one(setup) -> None:
+    """Every routed layer's bias_vl is the release's `ffn.gate.bias_vl`; a model materialized
+    from meta without a release holds zeros there, never uninitialized memory."""
+    from primus_v4.models.deepseek_v4.weight_init import init_buffers
+    from primus_v4.models.deepseek_v41.model import DeepseekV41Model
+
+    model, _, _ = setup
+    stored: dict[str, torch.Tensor] = {}
+    for shard in sorted((GOLDEN / "checkpoint").glob("*.safetensors")):
+        stored |= load_file(shard)
+    routed = [b for b in model.layers if not b.moe.router.hashed]
+    assert routed
+    for block in routed:
+        want = stored[f"layers.{block.layer_idx}.ffn.gate.bias_vl"].float()
+        assert torch.equal(block.moe.router.bias_vl, want)
+    with torch.device("meta"):
+        empty = DeepseekV41Model(model.cfg)
+    empty.to_empty(device="cpu")
+    init_buffers(empty)
+    assert all(not b.moe.router.bias_vl.any() for b in empty.layers if not b.moe.router.hashed)
