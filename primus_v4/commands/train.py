@@ -78,24 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from primus_v4.config import load_config, resolve_run, to_dict
-    from primus_v4.config.preflight import check_paths
-    from primus_v4.config.resolve import check_pretrained
+    from primus_v4.config import load_config, to_dict
     from primus_v4.training import run_dirs
 
     cfg = load_config(args.config, args.overrides)
     if not args.dry_run:  # recorded absolute: export and resume read them from anywhere
         cfg = run_dirs.absolute_dirs(cfg)
-    check_paths(cfg)  # seconds, before the model config imports torch
-    # without a memory plan, a dry run reads the model's geometry: no torch, no megatron-core
-    resolved = resolve_run(cfg, geometry=args.dry_run and args.device_memory is None)
-    if _config_only(cfg, args):
-        print(f"primus-v4 train: model.pretrained={cfg.model.pretrained} holds a config.json and "
-              "no weights: the dry run plans from the config alone; training needs the "
-              "release's safetensors there", file=sys.stderr)  # fmt: skip
-    else:  # a resumed run reads the release too (what its checkpoint does not hold)
-        check_pretrained(cfg, resolved.model)
-    if _memory_gate(resolved, args) != 0:
+    resolved = preflight(cfg, args)
+    if resolved is None:
         return 3
     main_rank = os.environ.get("RANK", "0") == "0"  # the one writer of output.dir
     if args.dry_run:
@@ -109,6 +99,33 @@ def run(args: argparse.Namespace) -> int:
 
     with run_dirs.claim(cfg) if main_rank else contextlib.nullcontext():
         return execute(Trainer(resolved))
+
+
+def preflight(cfg: Any, args: argparse.Namespace) -> Any:
+    """The checks a run makes before any work (packing, building, reading weights), in order;
+    `--dry-run` makes these same ones, through this one function, so the two cannot drift:
+    the paths (writable dirs, corpus files, tokenizer, tracker importable and its directory),
+    the resolved config (every size bounded, parallel sizes, vocabulary against the tokenizer,
+    the modes' refusals), the release (index, shard headers, names, its Engram token map) and
+    the memory plan where one is asked for or an accelerator is used. The output and checkpoint
+    directories are checked by `run_dirs` (the dry run) or claimed (the run). Returns the
+    resolved run, or None when the memory plan does not fit (it said why)."""
+    from primus_v4.config import resolve_run
+    from primus_v4.config.preflight import check_paths
+    from primus_v4.config.resolve import check_pretrained
+
+    check_paths(cfg)  # seconds, before the model config imports torch
+    # without a memory plan, a dry run reads the model's geometry: no torch, no megatron-core
+    resolved = resolve_run(cfg, geometry=args.dry_run and args.device_memory is None)
+    if _config_only(cfg, args):
+        print(f"primus-v4 train: model.pretrained={cfg.model.pretrained} holds a config.json and "
+              "no weights: the dry run plans from the config alone; training needs the "
+              "release's safetensors there", file=sys.stderr)  # fmt: skip
+    else:  # a resumed run reads the release too (what its checkpoint does not hold)
+        check_pretrained(cfg, resolved.model)
+    if _memory_gate(resolved, args) != 0:
+        return None
+    return resolved
 
 
 def _config_only(cfg: Any, args: argparse.Namespace) -> bool:

@@ -1,7 +1,8 @@
 """The dry run checks what the run checks, before any packing: a release whose vocabulary is
 smaller than the tokenizer's ids, a V4.1 release whose tokenizer's Engram map differs from its
 config, and a tracker package that is installed but fails to import, are each one line from
-`train --dry-run` (and from the run, through the same checks)."""
+`train --dry-run`; and for each probed fault the run and its dry run (both through
+`commands/train.preflight`) stop with the same exit code and line, the run packing nothing."""
 
 from __future__ import annotations
 
@@ -87,3 +88,67 @@ def test_a_tokenizer_whose_engram_map_differs_from_the_config_is_refused_by_the_
     ), err
     assert not (tmp_path / "packs").exists(), "packed before refusing"
     print(f"refused in {seconds:.2f} s, exit {code}: {err[0]}")
+
+
+def _release_with(tmp: Path, **text: object) -> Path:
+    """A copy of the golden V4.1 release with `text` set in its config's text_config."""
+    import json
+
+    release = tmp / "release"
+    shutil.copytree(GOLDEN, release)
+    config = json.loads((release / "config.json").read_text())
+    config.get("text_config", config).update(text)
+    (release / "config.json").write_text(json.dumps(config))
+    return release
+
+
+FAULTS = {
+    "vocabulary below the tokenizer's ids": lambda tmp: (
+        [f"model.pretrained={_stripped(tmp)}"], "would index past the embedding"),
+    "Engram map size": lambda tmp: (
+        [f"model.pretrained={_release_with(tmp, engram_compressed_vocab_size=255)}"],
+        "its Engram token map has 256 compressed ids"),
+    "Engram size unbounded": lambda tmp: (
+        [f"model.pretrained={_release_with(tmp, engram_num_embeddings=[10**11, 10**11])}"],
+        "is above its bound"),
+    "tracker path is a file": lambda tmp: (
+        [f"model.pretrained={GOLDEN}", "output.tracker=tensorboard", *_file_at(tmp)],
+        "which is not a directory"),
+    "quant-aware LoRA on a decoded base": lambda tmp: (
+        [f"model.pretrained={GOLDEN}", "train.quant_aware=release", "model.lora.rank=4"],
+        "needs model.lora.base=release"),
+}  # fmt: skip
+
+
+def _stripped(tmp: Path) -> Path:
+    release = tmp / "release"
+    shutil.copytree(GOLDEN, release, ignore=shutil.ignore_patterns("tokenizer*"))
+    return release
+
+
+def _file_at(tmp: Path) -> list[str]:
+    (tmp / "out").mkdir()
+    (tmp / "out" / "tensorboard").write_text("a file\n")
+    return []
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_the_run_and_its_dry_run_refuse_each_fault_alike_before_packing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str
+) -> None:
+    """Both go through `commands/train.preflight`: the same exit code and the same one line,
+    and the run packs nothing."""
+    sets, words = FAULTS[fault](tmp_path)
+    base = [
+        "model.preset=null", f"output.dir={tmp_path / 'out'}",
+        f"data.cache_dir={tmp_path / 'packs'}", "data.path=synthetic:rows=8", *sets,
+    ]  # fmt: skip
+    argv = ["train", *[a for item in base for a in ("--set", item)]]
+    results = []
+    for dry in (["--dry-run"], []):
+        code = main([*argv, *dry])
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        results.append((code, line))
+        assert code != 0 and words in line, (dry, code, line)
+        assert not (tmp_path / "packs").exists(), f"{dry or 'the run'} packed before refusing"
+    assert results[0] == results[1], results
