@@ -1,8 +1,9 @@
 """Quantization-aware training in the release's formats (`train.quant_aware: release`): the
 rounding training uses equals the FP8 export's quantizer bit for bit on every weight kind (FP8
-128 x 128 of DeepSeek-V4, FP8 32 x 32 and FP4 per 32 of V4.1; all-zero blocks, blocks at the FP8
-limit, subnormal scales); the straight-through backward equals the plain backward evaluated at
-the quantized weights; a run keeps its weights in full precision; refusals in one line."""
+128 x 128 of DeepSeek-V4 and V4-Flash-0731, FP8 32 x 32 and FP4 per 32 of V4.1; all-zero blocks,
+blocks at the FP8 limit, subnormal scales); the straight-through backward equals the plain
+backward evaluated at the quantized weights; a run keeps its weights in full precision; refusals
+in one line."""
 
 from __future__ import annotations
 
@@ -63,6 +64,22 @@ def test_v4_rounding_is_the_fp8_export_bit_for_bit(tmp_path: Path) -> None:
         assert torch.equal(value, exported[name]), name
     assert not rounded["layers.0.attn.wkv.weight"][:32, :32].any()
     assert rounded["layers.0.attn.wq_b.weight"][0, 0] == 448.0 * 2.0**-3
+
+
+def test_0731_rounding_is_the_fp8_export_bit_for_bit(tmp_path: Path) -> None:
+    """DeepSeek-V4-Flash-0731 (V4's weights and blocks, its drafter carried): the same."""
+    from release_0731 import write_release_0731
+
+    release, _ = write_release_0731(tmp_path / "r0731")
+    model = load_pretrained(release, dtype=torch.float32, progress=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    rounded = _rounded(model, model.cfg)
+    assert "layers.0.moe.w_gate_up" in rounded and "layers.0.attn.wq_b.weight" in rounded
+    exported = _export_decoded(model, tmp_path / "out", list(rounded))
+    for name, value in rounded.items():
+        assert torch.equal(value, exported[name]), name
 
 
 def test_v41_rounding_is_the_fp8_export_bit_for_bit(tmp_path: Path) -> None:
