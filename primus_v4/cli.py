@@ -11,6 +11,7 @@ import sys
 from typing import NoReturn
 
 from primus_v4 import __version__
+from primus_v4.environment import check_environment
 from primus_v4.errors import ExitCode, PrimusError, describe_os_error, is_disk_full
 
 _DESCRIPTION = """\
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"primus_v4.commands.{_COMMANDS[args.command][0]}")
     command = args.command
     try:
+        check_environment()  # launcher and user variables, before any work
         code = int(module.run(args) or 0)
         sys.stdout.flush()
         return code

@@ -50,10 +50,17 @@ def setup_logging(level: str | int = "INFO", *, all_ranks: bool | None = None) -
     _configured = True
 
 
+def _env_level() -> str:
+    """`PRIMUS_LOG_LEVEL` (any case), INFO when unset or not a level: the CLI's environment check
+    names a bad value in one line before any command runs."""
+    level = os.environ.get("PRIMUS_LOG_LEVEL", "").strip().upper()
+    return level if level in logging.getLevelNamesMapping() else "INFO"
+
+
 def get_logger(name: str) -> logging.Logger:
     """A logger under the package root; configures a default handler on first use."""
     if not _configured:
-        setup_logging(os.environ.get("PRIMUS_LOG_LEVEL", "INFO"))
+        setup_logging(_env_level())
     if not name.startswith(_ROOT):
         name = f"{_ROOT}.{name}"
     return logging.getLogger(name)

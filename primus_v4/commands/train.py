@@ -123,9 +123,26 @@ def preflight(cfg: Any, args: argparse.Namespace) -> Any:
               "release's safetensors there", file=sys.stderr)  # fmt: skip
     else:  # a resumed run reads the release too (what its checkpoint does not hold)
         check_pretrained(cfg, resolved.model)
+    check_kernels(cfg)
     if _memory_gate(resolved, args) != 0:
         return None
     return resolved
+
+
+def check_kernels(cfg: Any) -> None:
+    """An explicit kernel backend (`PRIMUS_V4_KERNEL_BACKEND`) is refused as building the model
+    would refuse it: an op name that is not registered, or a backend that cannot run on this
+    machine, for each op the run uses. Loads the kernels (torch) only when the variable is set."""
+    from primus_v4.environment import KERNEL_BACKEND_ENV
+
+    if not os.environ.get(KERNEL_BACKEND_ENV, "").strip():
+        return
+    from primus_v4.kernels import registry
+    from primus_v4.kernels.release_round import OP_NAME as RELEASE_ROUND
+
+    for op in registry.available_ops():
+        if op != RELEASE_ROUND or cfg.train.quant_aware != "none":
+            registry.choose(op)
 
 
 def _config_only(cfg: Any, args: argparse.Namespace) -> bool:

@@ -24,16 +24,17 @@ from typing import Any
 
 import torch
 
+from primus_v4.environment import KERNEL_BACKEND_ENV, KERNEL_BACKENDS
 from primus_v4.errors import ConfigError
 from primus_v4.log import get_logger
 
 log = get_logger(__name__)
 
-BACKENDS = ("torch", "grouped_mm", "triton", "primus_turbo")
+BACKENDS = KERNEL_BACKENDS
 AUTO_ORDER = ("primus_turbo", "triton", "grouped_mm", "torch")
 """Auto's preference on GPUs, fastest first: vendor kernels, our Triton kernels, torch's own
 fused kernels, the reference."""
-ENV_VAR = "PRIMUS_V4_KERNEL_BACKEND"
+ENV_VAR = KERNEL_BACKEND_ENV
 
 Probe = Callable[[], "str | None"]
 Refuses = Callable[..., "str | None"]

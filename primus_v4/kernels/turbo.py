@@ -41,11 +41,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from primus_v4.environment import TURBO_FP8_ENV
 from primus_v4.kernels.grouped_experts import OP_NAME as GROUPED_EXPERTS
 from primus_v4.kernels.grouped_experts import clamped_swiglu
 from primus_v4.kernels.registry import has_gpu, register, turbo_importable
 
-FP8_ENV = "PRIMUS_V4_TURBO_FP8"
+FP8_ENV = TURBO_FP8_ENV
 GROUPED_GEMM = ("primus_turbo.pytorch.ops", "grouped_gemm", (0, 3, 0))
 GROUPED_GEMM_ARGS = ("a", "b", "group_lens", "group_offs", "trans_b")
 # sparse_mla_func came after v0.4.0 (a setuptools-scm build of that tree reports 0.4.1.devN).

@@ -117,7 +117,15 @@ FAULTS = {
     "quant-aware LoRA on a decoded base": lambda tmp: (
         [f"model.pretrained={GOLDEN}", "train.quant_aware=release", "model.lora.rank=4"],
         "needs model.lora.base=release"),
+    "kernel backend that cannot run here": lambda tmp: (
+        [f"model.pretrained={GOLDEN}"], "was requested for op 'compressor_pool'"),
+    "kernel op that does not exist": lambda tmp: (
+        [f"model.pretrained={GOLDEN}"], "names unknown kernel op 'nope'"),
 }  # fmt: skip
+ENVIRONMENT = {
+    "kernel backend that cannot run here": {"PRIMUS_V4_KERNEL_BACKEND": "triton"},
+    "kernel op that does not exist": {"PRIMUS_V4_KERNEL_BACKEND": "auto,nope=torch"},
+}
 
 
 def _stripped(tmp: Path) -> Path:
@@ -134,10 +142,12 @@ def _file_at(tmp: Path) -> list[str]:
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_the_run_and_its_dry_run_refuse_each_fault_alike_before_packing(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, fault: str
 ) -> None:
     """Both go through `commands/train.preflight`: the same exit code and the same one line,
     and the run packs nothing."""
+    for name, value in ENVIRONMENT.get(fault, {}).items():
+        monkeypatch.setenv(name, value)
     sets, words = FAULTS[fault](tmp_path)
     base = [
         "model.preset=null", f"output.dir={tmp_path / 'out'}",
