@@ -70,11 +70,11 @@ def _problems(env: Mapping[str, str]) -> list[str]:
             f"{TURBO_FP8_ENV}={fp8!r} is not an FP8 mode; use tensorwise, rowwise, blockwise or "
             "leave it unset"
         )
-    problems += _kernel_spec_problems(env.get(KERNEL_BACKEND_ENV, ""))
+    problems += kernel_spec_problems(env.get(KERNEL_BACKEND_ENV, ""))
     return problems
 
 
-def _kernel_spec_problems(spec: str) -> list[str]:
+def kernel_spec_problems(spec: str, source: str = KERNEL_BACKEND_ENV) -> list[str]:
     """The backend names in `PRIMUS_V4_KERNEL_BACKEND` (`auto`, `triton`, `auto,op=backend`);
     the op names are checked against the registered ops where the kernels are loaded."""
     known = ("auto", *KERNEL_BACKENDS)
@@ -83,10 +83,10 @@ def _kernel_spec_problems(spec: str) -> list[str]:
         name, eq, value = item.partition("=")
         backend = value.strip() if eq else name.strip()
         if eq and not name.strip():
-            problems.append(f"{KERNEL_BACKEND_ENV}={spec!r}: entry {item!r} names no op")
+            problems.append(f"{source}={spec!r}: entry {item!r} names no op")
         elif backend not in known:
             problems.append(
-                f"{KERNEL_BACKEND_ENV}={spec!r}: unknown kernel backend {backend!r}; use one of "
+                f"{source}={spec!r}: unknown kernel backend {backend!r}; use one of "
                 f"{', '.join(known)}"
             )
     return problems

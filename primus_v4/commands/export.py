@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+MAX_SHARD_GB = 1024.0
+"""The largest --max-shard-gb taken (GiB): far above any release's shards (about 4 GiB)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -120,8 +123,11 @@ def run(args: argparse.Namespace) -> int:
             "--dtype fp8 quantizes release weights; --format peft writes adapters (bfloat16, or "
             "as stored without --dtype)"
         )
-    if not args.max_shard_gb > 0:
-        raise ConfigError(f"--max-shard-gb {args.max_shard_gb}: must be > 0 (GiB per shard)")
+    if not 0 < args.max_shard_gb <= MAX_SHARD_GB:  # nan and inf fail this too
+        raise ConfigError(
+            f"--max-shard-gb {args.max_shard_gb}: must be > 0 and at most {MAX_SHARD_GB} "
+            "(GiB per shard)"
+        )
     check_out(Path(args.out))
     if not Path(args.run).is_dir():  # answered before torch loads (seconds)
         raise CheckpointError(

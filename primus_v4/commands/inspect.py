@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -285,9 +286,20 @@ def _memory_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks of the run (default WORLD_SIZE or 1)")  # fmt: skip
     parser.add_argument("--device-memory", default="MI300X",
                         help="GiB per device, or MI300X / MI308X (192) / MI355X (288)")  # fmt: skip
-    parser.add_argument("--supervised-fraction", type=float, default=1.0,
+    parser.add_argument("--supervised-fraction", type=_fraction, default=1.0,
                         help="rows that reach the LM head (default 1: the worst)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="one JSON object per stage")
+
+
+def _fraction(text: str) -> float:
+    """A share in [0, 1] (nan and inf refused): argparse's usage error names the option."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction between 0 and 1")
+    return value
 
 
 def _memory_run(args: argparse.Namespace) -> int:
@@ -432,10 +444,14 @@ def _kernels_run(args: argparse.Namespace) -> int:
     import torch
 
     from primus_v4 import kernels
+    from primus_v4.environment import kernel_spec_problems
     from primus_v4.errors import ConfigError
     from primus_v4.kernels import registry
 
     before = os.environ.get(registry.ENV_VAR)
+    problems = kernel_spec_problems(args.backend or "", source="--backend")
+    if problems:
+        raise ConfigError("; ".join(problems))
     if args.backend is not None:  # the variable's syntax, so per-op entries work here too
         os.environ[registry.ENV_VAR] = args.backend
     rows, failed = [], False

@@ -254,6 +254,9 @@ def publish(
         shutil.rmtree(temp, ignore_errors=True)
         message = f"pack cache {cache_dir}: {error}; removed the partial {temp.name}"
         raise type(error)(message) from exc
+    except BaseException:  # Ctrl-C mid-write: the partial temp goes now, not at the next build
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
     return final
 
 

@@ -9,6 +9,7 @@ any stage plans more than the device holds. `train.ignore_memory_plan: true` (re
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from primus_v4.errors import ConfigError
@@ -33,8 +34,8 @@ def parse_device(text: str) -> tuple[str, float]:
         raise ConfigError(
             f"--device-memory {text!r}: give GiB or one of {sorted(DEVICES_GB)}"
         ) from None
-    if gib <= 0:
-        raise ConfigError(f"--device-memory {text!r} must be a positive number of GiB")
+    if not 0 < gib < math.inf:  # nan and inf fail this too
+        raise ConfigError(f"--device-memory {text!r} must be a positive finite number of GiB")
     return "the device", gib
 
 

@@ -400,6 +400,16 @@ def _(ws: Ws):
     yield _export(ws, ws.ck(), "--max-shard-gb", "0")
 
 
+@case("export: --max-shard-gb infinite", ExitCode.CONFIG, "--max-shard-gb inf: must be > 0 and")
+def _(ws: Ws):  # was an OverflowError (exit 70) after reading the checkpoint
+    yield _export(ws, ws.ck(), "--max-shard-gb", "inf")
+
+
+@case("export: --max-shard-gb not a number", ExitCode.CONFIG, "--max-shard-gb nan: must be > 0")
+def _(ws: Ws):
+    yield _export(ws, ws.ck(), "--max-shard-gb", "nan")
+
+
 @case("export: named step damaged", ExitCode.CHECKPOINT, "corrupt (sha256 differs")
 def _(ws: Ws):
     ck = ws.ck()
@@ -503,6 +513,21 @@ def _(ws: Ws):
 @case("inspect memory: --device-memory malformed", ExitCode.CONFIG, "give GiB or one of")
 def _(ws: Ws):
     yield ["inspect", "memory", "--device-memory", "lots"]
+
+
+@case("inspect memory: --device-memory not finite", ExitCode.CONFIG, "positive finite number")
+def _(ws: Ws):  # nan and inf used to plan against nothing, silently
+    yield ["inspect", "memory", "--device-memory", "nan"]
+
+
+@case("inspect memory: --supervised-fraction out of range", ExitCode.USAGE, "is not a fraction")
+def _(ws: Ws):  # 2 was taken and nan was an exit 70
+    yield ["inspect", "memory", "--supervised-fraction", "nan"]
+
+
+@case("inspect kernels: --backend unknown", ExitCode.CONFIG, "--backend='cuda': unknown kernel")
+def _(ws: Ws):  # was a table of errors naming PRIMUS_V4_KERNEL_BACKEND, exit 1
+    yield ["inspect", "kernels", "--backend", "cuda"]
 
 
 @case("inspect memory: --world-size out of range", ExitCode.CONFIG, "--world-size 0")
