@@ -29,10 +29,12 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from primus_v4.errors import DataError
 
@@ -163,6 +165,7 @@ def image_patches(
 ) -> tuple[torch.Tensor, tuple[int, int]]:
     """(patches bf16 [h * w, 3, p, p], (h, w) the ViT grid) of `image` (a path, bytes or PIL
     image) for the release `config` (its vision_config, or an `ImageGrid`)."""
+    import torch  # here: packing reads images without torch
     from PIL import ImageOps
 
     grid = ImageGrid.of(config)

@@ -21,6 +21,15 @@ import numpy as np
 
 from primus_v4.data import chat_format, dsv4_format, shapes
 from primus_v4.data.corpus import NOT_JSON, RawRow
+from primus_v4.data.image_rows import (
+    PLACEHOLDER,
+    ImageSource,
+    RowImages,
+    place_column_images,
+    resolve_images,
+    take_images,
+)
+from primus_v4.data.images import TEXT, span_types
 from primus_v4.data.shapes import BadRow
 from primus_v4.data.tokenizer import TextTokenizer
 from primus_v4.errors import DataError
@@ -52,7 +61,11 @@ BAD_REASONS = {
     "misplaced_field": "a message carries a field its role cannot have",
     "unread_field": "a content field the row's format does not read",
     "unsupported_content": "a content part that is not text",
-    "image": "an image (content part or images field; the vision tower is not trained)",
+    "image": "an image, for a model without a vision tower (V4, V4-Flash-0731)",
+    "image_count": "the conversation's image placeholders and its images do not match",
+    "image_missing": "an image file that does not exist",
+    "image_unreadable": "an image that is not a readable picture (corrupt, too large, bad base64)",
+    "image_not_local": "an image URL that is not a local file (packing never downloads)",
     "bad_tools": "tools are not a list of function schemas",
     "bad_tool_call": "a tool call has no name or unusable arguments",
     "bad_task": "a user task is not a known task",
@@ -74,6 +87,12 @@ class Rendered:
     bad_examples: list[dict[str, str]]  # the first few bad rows: where, reason, detail
     num_rows: int
     modes: dict[str, int] = field(default_factory=dict)  # rows rendered per chat mode
+    # Rows with images (a model with a vision tower): each token's type (-1 text, 0..3 the
+    # parts of an image span, `images.span_types`), and the images in sample order with each
+    # sample's count. None / () for text alone.
+    token_types: np.ndarray | None = None  # int8 [T]
+    images: tuple[ImageSource, ...] = ()
+    image_counts: np.ndarray | None = None  # int64 [N]
 
 
 def resolve_format(rows: Sequence[RawRow], fmt: str, where: str) -> str:
@@ -95,17 +114,28 @@ def resolve_format(rows: Sequence[RawRow], fmt: str, where: str) -> str:
 
 
 def row_samples(
-    value: Any, shape: str, chat_mode: str, fmt: chat_format.ChatFormat = chat_format.V4
+    value: Any,
+    shape: str,
+    chat_mode: str,
+    fmt: chat_format.ChatFormat = chat_format.V4,
+    *,
+    image_refs: list[Any] | None = None,
+    image_parts: bool = False,
 ) -> tuple[str, list[chat_format.Sample]]:
     """One row -> (chat mode used, samples as (text, supervised char spans)); raises BadRow.
 
     The mode reads CHAT_WITHOUT_REASONING for a row with reasoning rendered in forced chat mode.
     A top-level `reasoning_effort` (the Chat Completions field) sets the effort.
+    `image_refs` (a model with a vision tower): the row's images, taken out by
+    `image_rows.take_images`; the conversation must show one placeholder for each.
     """
     if not isinstance(value, dict):
         raise BadRow("not_an_object", f"a {type(value).__name__}, not a JSON object")
-    shapes.check_no_images(value)
+    if image_refs is None:
+        shapes.check_no_images(value)
     messages = shapes.row_messages(value, shape)
+    if image_refs is not None:
+        place_column_images(messages, image_refs, parts=image_parts)
     shapes.check_trainable(messages)
     thinking = any(m.get("reasoning_content") for m in messages if m["role"] == "assistant")
     mode = ("thinking" if thinking else "chat") if chat_mode == "auto" else chat_mode
@@ -132,6 +162,28 @@ class _Collected:
     bad: Counter[str] = field(default_factory=Counter)
     examples: list[dict[str, str]] = field(default_factory=list)
     modes: Counter[str] = field(default_factory=Counter)
+    images: list[list[ImageSource]] = field(default_factory=list)  # per sample
+
+
+def _row_with_images(
+    value: Any, shape: str, chat_mode: str, fmt: chat_format.ChatFormat, vision: RowImages
+) -> tuple[str, list[chat_format.Sample], list[list[ImageSource]]]:
+    """row_samples for a model with a vision tower, with each sample's images (the first n of
+    the row's, n the placeholders its text shows); raises BadRow."""
+    if not isinstance(value, dict):
+        raise BadRow("not_an_object", f"a {type(value).__name__}, not a JSON object")
+    row, refs = take_images(value)
+    parts = len(refs) > 0 and not any(value.get(k) for k in shapes.IMAGE_FIELDS)
+    mode, samples = row_samples(row, shape, chat_mode, fmt, image_refs=refs, image_parts=parts)
+    shown = [text.count(PLACEHOLDER) for text, _ in samples]
+    if max(shown, default=0) != len(refs):
+        raise BadRow(
+            "image_count",
+            f"the rendered conversation shows {max(shown, default=0)} of its {len(refs)} images "
+            f"(in {chat_mode} mode); put each image in a turn that is rendered",
+        )
+    images = resolve_images(refs, vision.base, vision.grid)
+    return mode, samples, [images[:n] for n in shown]
 
 
 def _add_sample(
@@ -169,13 +221,18 @@ def _collect(
     strict: bool,
     split_ok: bool = True,
     strict_knob: str = "--strict",
+    vision: RowImages | None = None,
 ) -> _Collected:
     out = _Collected()
     for index, row in enumerate(rows):
         try:
             if row.value is NOT_JSON:
                 raise BadRow(row.reason, row.error)
-            mode, samples = row_samples(row.value, shape, chat_mode, fmt)
+            if vision is None:
+                mode, samples = row_samples(row.value, shape, chat_mode, fmt)
+                images: list[list[ImageSource]] = [[] for _ in samples]
+            else:
+                mode, samples, images = _row_with_images(row.value, shape, chat_mode, fmt, vision)
         except BadRow as exc:
             if strict:
                 raise DataError(
@@ -189,8 +246,9 @@ def _collect(
                 )
             continue
         out.modes[mode] += 1
-        for text, spans in samples:
+        for (text, spans), sample_images in zip(samples, images, strict=True):
             out.rows.append(index)
+            out.images.append(sample_images)
             _add_sample(out, text, spans, split_ok=split_ok)
     return out
 
@@ -231,6 +289,53 @@ def _assemble(
     return np.concatenate(tokens_parts).astype(np.uint32), np.concatenate(sup_parts), lengths
 
 
+def _expand_images(
+    tokens: np.ndarray,
+    supervised: np.ndarray,
+    lengths: np.ndarray,
+    images: list[list[ImageSource]],
+    token_id: int,
+    where: list[int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each image's one placeholder token -> its span (every position `token_id`, never a
+    target), with each token's type; -> (tokens, supervised, token types, lengths)."""
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    out_tok, out_sup, out_types = [], [], []
+    new_lengths = lengths.copy()
+    for j, sample_images in enumerate(images):
+        ids, sup = tokens[bounds[j] : bounds[j + 1]], supervised[bounds[j] : bounds[j + 1]]
+        at = np.flatnonzero(ids == token_id)
+        if len(at) != len(sample_images):
+            raise DataError(
+                f"row {where[j] + 1}: {len(sample_images)} image placeholders tokenized to "
+                f"{len(at)} image tokens (id {token_id}); the tokenizer must keep "
+                f"{PLACEHOLDER} one token"
+            )
+        types = np.full(len(ids), TEXT, dtype=np.int8)
+        start = 0
+        for pos, image in zip(at, sample_images, strict=True):
+            out_tok += [ids[start:pos], np.full(image.span, token_id, dtype=ids.dtype)]
+            out_sup += [sup[start:pos], np.zeros(image.span, dtype=bool)]
+            out_types += [types[start:pos], np.asarray(span_types(image.llm_h, image.llm_w),
+                                                       dtype=np.int8)]  # fmt: skip
+            start = pos + 1
+            new_lengths[j] += image.span - 1
+        out_tok.append(ids[start:])
+        out_sup.append(sup[start:])
+        out_types.append(types[start:])
+    return (np.concatenate(out_tok).astype(np.uint32), np.concatenate(out_sup),
+            np.concatenate(out_types), new_lengths)  # fmt: skip
+
+
+def _check_image_token(tokenizer: TextTokenizer, token_id: int) -> None:
+    ids, _ = tokenizer.encode_texts([PLACEHOLDER])
+    if list(ids) != [token_id]:
+        raise DataError(
+            f"tokenizer {tokenizer.dir}: {PLACEHOLDER} encodes to {list(ids)}, not the model's "
+            f"image_token_id {token_id}; use the tokenizer released with the model"
+        )
+
+
 def _rows_done(
     out: _Collected, advance: Callable[[int], None] | None
 ) -> Callable[[int], None] | None:
@@ -261,18 +366,24 @@ def render(
     strict: bool = False,
     progress: Callable[[str, int], Callable[[int], None]] | None = None,
     strict_knob: str = "--strict",
+    images: RowImages | None = None,
 ) -> Rendered:
     """Validate, render and tokenize rows; bad rows are counted by reason (or raise if strict:
     the error names `strict_knob`, the setting that turns strict off).
 
     `progress(desc, total)` returns the callback that advances a progress bar by n texts.
+    `images` (a model with a vision tower): rows with images are read (`image_rows`), each
+    image a span of image tokens; without it a row with an image is a bad row (`image`).
     """
     if chat_mode not in CHAT_MODES:
         raise DataError(f"unknown chat mode {chat_mode!r}: expected one of {', '.join(CHAT_MODES)}")
     shape = resolve_format(rows, fmt, where)
     conversation = chat_format.checked(chat_format_name, tokenizer)
+    if images is not None:
+        _check_image_token(tokenizer, images.token_id)
     out = _collect(rows, shape, chat_mode, conversation, strict=strict,
-                   split_ok=tokenizer.splits_at_specials, strict_knob=strict_knob)  # fmt: skip
+                   split_ok=tokenizer.splits_at_specials, strict_knob=strict_knob,
+                   vision=images)  # fmt: skip
     if out.bad:
         first = "; ".join(f"{e['where']}: {e['detail']}" for e in out.examples)
         log.warning(
@@ -300,6 +411,12 @@ def render(
         )
     advance = progress("tokenize", len(out.rows)) if progress is not None else None
     tokens, supervised, lengths = _assemble(out, tokenizer, _rows_done(out, advance))
+    token_types, counts = None, None
+    if images is not None:
+        tokens, supervised, token_types, lengths = _expand_images(
+            tokens, supervised, lengths, out.images, images.token_id, out.rows
+        )
+        counts = np.asarray([len(i) for i in out.images], dtype=np.int64)
     return Rendered(
         tokens=tokens,
         supervised=supervised,
@@ -310,4 +427,7 @@ def render(
         bad_examples=out.examples,
         num_rows=len(rows),
         modes=dict(sorted(out.modes.items())),
+        token_types=token_types,
+        images=tuple(image for sample in out.images for image in sample),
+        image_counts=counts,
     )
