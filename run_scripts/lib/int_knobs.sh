@@ -11,14 +11,15 @@ PRIMUS_INT_KNOBS=(
   SLURM_RESTART_COUNT TORCHELASTIC_RESTART_COUNT PET_NODE_RANK PET_MASTER_PORT
 )
 
-# primus_check_int_knobs: each knob above that is set is a non-negative decimal integer.
+# primus_check_int_knobs: each knob above that is set is a non-negative decimal integer, with no
+# leading zero (bash arithmetic reads 010 as octal 8 and fails on 09).
 primus_check_int_knobs() {
   local name value
   for name in "${PRIMUS_INT_KNOBS[@]}"; do
     value="${!name-}"
-    if [[ -n "${value}" && ! "${value}" =~ ^[0-9]{1,18}$ ]]; then
-      echo "$(basename "${PRIMUS_RECIPE:-$0}"): error: ${name} must be a non-negative integer," \
-        "got '${value}'" >&2
+    if [[ -n "${value}" && ! "${value}" =~ ^(0|[1-9][0-9]{0,17})$ ]]; then
+      echo "$(basename "${PRIMUS_RECIPE:-$0}"): error: ${name} must be a non-negative integer" \
+        "(decimal, no leading zero), got '${value}'" >&2
       exit 3
     fi
   done
