@@ -47,6 +47,16 @@ FORMAT_VERSION = "primus_v4.pack/1"
 MANIFEST = "manifest.json"
 CHECKSUM = "manifest_sha256"
 ARRAY_FILES = ("tokens", "supervised", "sample_offsets", "pack_offsets", "sample_rows")
+# A corpus with images (a model with a vision tower) has these too: each token's type (int8),
+# each sample's images (offsets into `image_index`, which names a distinct image), and each
+# distinct image's ViT grid and bf16 patches (stored as uint16 bits, [patches, 3 * 14 * 14]).
+IMAGE_FILES = ("token_types", "sample_image_offsets", "image_index", "image_grids",
+               "image_patch_offsets", "image_patches")  # fmt: skip
+
+
+def array_names(manifest: dict[str, Any]) -> tuple[str, ...]:
+    """The arrays of an entry: the text ones, and the image ones when it has images."""
+    return ARRAY_FILES + (IMAGE_FILES if "token_types" in manifest["files"] else ())
 
 
 class CacheInvalid(Exception):
@@ -224,7 +234,8 @@ def publish(
     shutil.rmtree(temp, ignore_errors=True)
     try:
         temp.mkdir()
-        files = {name: _write_array(temp / f"{name}.npy", arrays[name]) for name in ARRAY_FILES}
+        names = ARRAY_FILES + (IMAGE_FILES if "token_types" in arrays else ())
+        files = {name: _write_array(temp / f"{name}.npy", arrays[name]) for name in names}
         complete = {**manifest, "key": key, "files": files}
         complete[CHECKSUM] = manifest_checksum(complete)
         body = json.dumps(complete, indent=2, sort_keys=True)
@@ -292,7 +303,10 @@ def check_manifest(manifest: Any, entry: Path) -> dict[str, Any]:
         if not _typed(manifest.get(name), kind):
             got = type(manifest[name]).__name__ if name in manifest else "missing"
             raise CacheInvalid(f"{where}: field {name!r} is {got}, not {_type_name(kind)}")
-    for name in ARRAY_FILES:
+    unknown = set(manifest["files"]) - set(ARRAY_FILES + IMAGE_FILES)
+    if unknown:
+        raise CacheInvalid(f"{where}: files {sorted(unknown)} are not arrays of a pack entry")
+    for name in array_names(manifest):
         record = manifest["files"].get(name)
         if not (isinstance(record, dict) and _typed(record.get("bytes"), int)
                 and isinstance(record.get("sha256"), str)):  # fmt: skip
@@ -329,7 +343,7 @@ def verify(entry: Path, key: str, fields: dict[str, Any] | None = None) -> dict[
         raise CacheInvalid(f"{entry}: manifest key/version does not match {key}/{FORMAT_VERSION}")
     if fields is not None and manifest["key_fields"] != json.loads(json.dumps(fields)):
         raise CacheInvalid(f"{entry}: built from other inputs than this call's (key fields differ)")
-    for name in ARRAY_FILES:
+    for name in array_names(manifest):
         path = entry / f"{name}.npy"
         expected = manifest["files"][name]
         try:
@@ -343,11 +357,11 @@ def verify(entry: Path, key: str, fields: dict[str, Any] | None = None) -> dict[
     return manifest
 
 
-def map_arrays(entry: Path) -> dict[str, np.ndarray]:
+def map_arrays(entry: Path, manifest: dict[str, Any]) -> dict[str, np.ndarray]:
     """Memory-map the entry's arrays read-only (pages load on first touch)."""
     return {
         name: np.load(entry / f"{name}.npy", mmap_mode="r", allow_pickle=False)
-        for name in ARRAY_FILES
+        for name in array_names(manifest)
     }
 
 

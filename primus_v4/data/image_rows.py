@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
 import re
 import urllib.parse
 from dataclasses import dataclass
@@ -49,6 +50,29 @@ class RowImages:
     grid: ImageGrid
     token_id: int
     base: Path | None = None
+
+
+def vision_of(release_dir: Path, chat_format: str) -> RowImages | None:
+    """How rows with images are read for the release at `release_dir` (its config.json's
+    `vision_config` and `image_token_id`, a V4.1 conversation format): None for a model
+    without a vision tower, whose image rows stay bad rows (`image`)."""
+    path = Path(release_dir) / "config.json"
+    if chat_format != "v4.1" or not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: cannot read the release's config: {exc}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("vision_config"), dict):
+        return None
+    token_id = config.get("image_token_id")
+    if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+        raise DataError(f"{path}: vision_config without an image_token_id (got {token_id!r})")
+    try:
+        grid = ImageGrid.of(config)
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{path}: vision_config: {exc}") from None
+    return RowImages(grid=grid, token_id=token_id)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -95,6 +95,15 @@ class PackedCorpus:
         self._sample_offsets = arrays["sample_offsets"]
         self._pack_offsets = arrays["pack_offsets"]
         self._sample_rows = arrays["sample_rows"]
+        # a corpus with images (cache.IMAGE_FILES); absent for text alone
+        self._token_types = arrays.get("token_types")
+        self._image_arrays = {
+            k: v for k, v in arrays.items() if k.startswith(("image", "sample_i"))
+        }
+
+    @property
+    def has_images(self) -> bool:
+        return self._token_types is not None
 
     def __len__(self) -> int:
         return len(self._pack_offsets) - 1
@@ -133,10 +142,38 @@ class PackedCorpus:
         return tokens, targets
 
     def pack_arrays(self, i: int) -> dict[str, np.ndarray]:
-        """input_ids, labels, loss_mask, position_ids, cu_seqlens (int32), padding_mask (bool)."""
+        """input_ids, labels, loss_mask, position_ids, cu_seqlens (int32), padding_mask (bool);
+        with images also token_types (int8, -1 for text and padding)."""
         first, stop = self.pack_sample_range(i)
+        return self._row(first, stop)
+
+    def _row(self, first: int, stop: int) -> dict[str, np.ndarray]:
         tokens, targets, lengths = self._span(first, stop)
-        return layout(tokens, targets, lengths, seq_length=self.seq_length, pad_id=self.pad_id)
+        row = layout(tokens, targets, lengths, seq_length=self.seq_length, pad_id=self.pad_id)
+        if self._token_types is not None:
+            t0, t1 = int(self._sample_offsets[first]), int(self._sample_offsets[stop])
+            types = np.full(self.seq_length, -1, dtype=np.int8)
+            types[: t1 - t0] = self._token_types[t0:t1]
+            row["token_types"] = types
+        return row
+
+    def images(self, first: int, stop: int) -> list[tuple[np.ndarray, tuple[int, int]]]:
+        """The pictures of samples [first, stop) in the order of their spans: (bf16 patches as
+        uint16 bits [h * w, 3 * 14 * 14], (h, w) the ViT grid) each; [] for text alone."""
+        if self._token_types is None:
+            return []
+        a = self._image_arrays
+        lo, hi = int(a["sample_image_offsets"][first]), int(a["sample_image_offsets"][stop])
+        out = []
+        for u in np.asarray(a["image_index"][lo:hi]):
+            p0, p1 = int(a["image_patch_offsets"][u]), int(a["image_patch_offsets"][u + 1])
+            h, w = (int(v) for v in a["image_grids"][u])
+            out.append((np.asarray(a["image_patches"][p0:p1]), (h, w)))
+        return out
+
+    def pack_images(self, i: int) -> list[tuple[np.ndarray, tuple[int, int]]]:
+        """The pictures of pack i, in the order of its image spans (`images`)."""
+        return self.images(*self.pack_sample_range(i))
 
     def thd_batch(self, i: int) -> ThdBatch:
         return to_thd_batch(self.pack_arrays(i))
@@ -144,8 +181,7 @@ class PackedCorpus:
     def sample_arrays(self, j: int) -> dict[str, np.ndarray]:
         """Sample j alone, padded to seq_length: the unpacked (BSHD) baseline row."""
         j = self._check(j, self.num_samples, "sample")
-        tokens, targets, lengths = self._span(j, j + 1)
-        return layout(tokens, targets, lengths, seq_length=self.seq_length, pad_id=self.pad_id)
+        return self._row(j, j + 1)
 
     def bshd_batch(self, j: int) -> ThdBatch:
         return to_thd_batch(self.sample_arrays(j))

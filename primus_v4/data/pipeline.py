@@ -8,6 +8,7 @@ entry and load it. Nothing here imports torch; `datasets` is imported only to bu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -18,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from primus_v4.data import cache, chat_format, holdout, special_text
+from primus_v4.data import cache, chat_format, holdout, image_rows, special_text
 from primus_v4.data.corpus import CorpusSource, read_rows, resolve_source
+from primus_v4.data.images import IMAGE_START, TEXT
 from primus_v4.data.mixing import SourceSpec, integral, parse_sources, weighted_samples
 from primus_v4.data.packed_corpus import PackedCorpus
 from primus_v4.data.packing import ALGORITHMS, MAX_SEQ_LENGTH, pack, segment_cap
@@ -168,6 +170,9 @@ def key_fields(spec: PackSpec, sources: Resolved, tokenizer_dir: Path) -> dict[s
     }
     if not integral([s for s, _ in sources]):
         fields["mix_seed"] = spec.seed
+    vision = image_rows.vision_of(tokenizer_dir, fields["chat_format"])
+    if vision is not None:  # rows with images are read: the grid sizes their spans
+        fields["vision"] = {**asdict(vision.grid), "image_token_id": vision.token_id}
     return fields
 
 
@@ -201,7 +206,7 @@ class _Progress:
         from tqdm import tqdm
 
         self.close()
-        unit = {"tokenize": " rows", "pack": " samples"}.get(desc, " items")
+        unit = {"tokenize": " rows", "pack": " samples", "images": " images"}.get(desc, " items")
         self._bar = tqdm(total=total, desc=desc, unit=unit, disable=self.disable)
         return self._bar.update
 
@@ -222,6 +227,12 @@ class _Table:
     rows: np.ndarray  # int64 [N] global row (rows of source k follow those of source k-1)
     source: np.ndarray  # int64 [N] source index
     info: list[dict[str, Any]] = field(default_factory=list)  # per source, for the stats
+    # A model with a vision tower: each token's type, every source's images in sample order,
+    # and each selected sample's first image there and its count. None / empty otherwise.
+    token_types: np.ndarray | None = None  # int8 [T]
+    images: list[image_rows.ImageSource] = field(default_factory=list)
+    image_starts: np.ndarray | None = None  # int64 [N]
+    image_counts: np.ndarray | None = None  # int64 [N]
 
 
 def _source_info(
@@ -240,11 +251,21 @@ def _source_info(
     }
 
 
+def _image_base(src: CorpusSource) -> Path | None:
+    """Where a source's relative image paths start: its file's directory, or the directory."""
+    if src.kind == "file":
+        return src.path.parent
+    return src.path if src.kind == "dir" else None
+
+
 def _render_sources(
     spec: PackSpec, sources: Resolved, tokenizer: TextTokenizer, bar: Any
 ) -> _Table:
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("tok", "sup", "st", "len", "row", "src")}
+    names = ("tok", "sup", "st", "len", "row", "src", "types", "img_st", "img_n")
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in names}
     info, tokens_before, rows_before = [], 0, 0
+    vision = image_rows.vision_of(tokenizer.dir, spec.resolved_chat_format(tokenizer.dir))
+    images: list[image_rows.ImageSource] = []
     for k, (s, src) in enumerate(sources):
         rows = read_rows(src)
         if _is_split(spec):  # held out before weighting and packing: eval rows never train
@@ -264,6 +285,7 @@ def _render_sources(
             strict=spec.strict,
             strict_knob=spec.knob("strict"),
             progress=bar,
+            images=None if vision is None else dataclasses.replace(vision, base=_image_base(src)),
         )
         pick = (
             np.arange(len(r.lengths))
@@ -280,10 +302,17 @@ def _render_sources(
             ("src", np.full(len(pick), k, dtype=np.int64)),
         ):
             parts[name].append(value)
+        if vision is not None:
+            assert r.token_types is not None and r.image_counts is not None
+            image_starts = np.cumsum(r.image_counts) - r.image_counts + len(images)
+            parts["types"].append(r.token_types)
+            parts["img_st"].append(image_starts[pick])
+            parts["img_n"].append(r.image_counts[pick])
+            images.extend(r.images)
         info.append(_source_info(s, src, r, rows_before, special))
         tokens_before += len(r.tokens)
         rows_before += r.num_rows
-    cat = {name: np.concatenate(values) for name, values in parts.items()}
+    cat = {name: np.concatenate(values) for name, values in parts.items() if values}
     return _Table(
         tokens=cat["tok"],
         supervised=cat["sup"],
@@ -292,19 +321,41 @@ def _render_sources(
         rows=cat["row"],
         source=cat["src"],
         info=info,
+        token_types=cat.get("types"),
+        images=images,
+        image_starts=cat.get("img_st"),
+        image_counts=cat.get("img_n"),
     )
+
+
+def _cut_before_spans(t: _Table, limit: np.ndarray) -> np.ndarray:
+    """A truncated sample never ends inside an image span: its cut moves back to the span's
+    start (the image is left out whole). Per-sample kept images."""
+    assert t.token_types is not None and t.image_counts is not None
+    kept_images = t.image_counts.copy()
+    for k in np.flatnonzero((limit < t.lengths) & (t.image_counts > 0)):
+        types = t.token_types[t.starts[k] : t.starts[k] + t.lengths[k]]
+        cut = int(limit[k])
+        if cut > 0 and types[cut] not in (TEXT, IMAGE_START):  # inside a span
+            cut = int(np.flatnonzero(types[:cut] == IMAGE_START)[-1])
+            limit[k] = cut
+        kept_images[k] = int((types[:cut] == IMAGE_START).sum())
+    return kept_images
 
 
 def _limit_lengths(
     t: _Table, seq_length: int, overlong: str
 ) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
-    """Per-sample kept length (0 = dropped) after the overlong policy; targets kept; counts."""
+    """Per-sample kept length (0 = dropped) after the overlong policy; targets kept; counts.
+    A corpus with images: `t.image_counts` becomes the images each kept prefix holds."""
     over = t.lengths > seq_length
     limit = (
         np.minimum(t.lengths, seq_length)
         if overlong == "truncate"
         else np.where(over, 0, t.lengths)
     )
+    if t.token_types is not None:
+        t.image_counts = _cut_before_spans(t, limit)
     # Targets left inside the kept prefix; a truncation that cuts every target leaves a sample
     # with nothing to learn, so it is dropped too (counted apart).
     targets_cum = np.concatenate([[0], np.cumsum(t.supervised, dtype=np.int64)])
@@ -417,6 +468,14 @@ def _build(
         "sample_rows": table.rows[kept][order],
     }
     stats = _stats(ordered_lengths, int(targets.sum()), pack_offsets, spec)
+    assert table.image_counts is not None or table.token_types is None
+    if table.token_types is not None and int(table.image_counts[kept].sum()) > 0:
+        vision = image_rows.vision_of(tokenizer_dir, spec.resolved_chat_format(tokenizer_dir))
+        assert vision is not None  # the table has token types only then
+        image_arrays, image_stats = _image_arrays(table, kept[order], gather, vision, progress)
+        arrays.update(image_arrays)
+        stats.update(image_stats)
+        image_files = stats.pop("image_files")
     bad, examples = _merged_bad_rows(table.info)
     modes: dict[str, int] = {}
     for info in table.info:
@@ -440,7 +499,107 @@ def _build(
         },
     )
     manifest = {"pad_id": tokenizer.special.pad, "stats": stats}
+    if "token_types" in arrays:  # text alone, with a vision tower or not, has no image arrays
+        manifest["image_files"] = image_files
     return arrays, manifest
+
+
+def _image_arrays(
+    table: _Table,
+    samples: np.ndarray,
+    gather: np.ndarray,
+    vision: image_rows.RowImages,
+    progress: bool | None,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The image arrays of a corpus with images (cache.IMAGE_FILES), samples in pack order:
+    each distinct picture (by sha256) is processed once into its bf16 patches, stored as
+    uint16 bits; a sample names its pictures in the order of its spans."""
+    from primus_v4.data.images import image_patches
+
+    assert table.token_types is not None
+    assert table.image_starts is not None and table.image_counts is not None
+    counts = table.image_counts[samples]
+    offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    distinct: dict[str, int] = {}
+    index = np.zeros(int(offsets[-1]), dtype=np.int64)
+    chosen: list[image_rows.ImageSource] = []
+    for k, sample in enumerate(samples):
+        first = int(table.image_starts[sample])
+        for j in range(int(counts[k])):
+            image = table.images[first + j]
+            if image.digest not in distinct:
+                distinct[image.digest] = len(chosen)
+                chosen.append(image)
+            index[offsets[k] + j] = distinct[image.digest]
+    bar = _Progress(progress)
+    advance = bar("images", len(chosen))
+    grids, pieces = np.zeros((len(chosen), 2), dtype=np.int32), []
+    try:
+        for u, image in enumerate(chosen):
+            patches, (h, w) = image_patches(image.read(), vision.grid)
+            grids[u] = (h, w)
+            pieces.append(patches.reshape(h * w, -1).view(_int16()).numpy().view(np.uint16))
+            advance(1)
+    finally:
+        bar.close()
+    patch_offsets = np.zeros(len(chosen) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in pieces], out=patch_offsets[1:])
+    width = 3 * vision.grid.patch_size**2
+    patches = np.concatenate(pieces) if pieces else np.zeros((0, width), dtype=np.uint16)
+    types = table.token_types[gather]
+    arrays = {
+        "token_types": types.astype(np.int8, copy=False),
+        "sample_image_offsets": offsets,
+        "image_index": index,
+        "image_grids": grids,
+        "image_patch_offsets": patch_offsets,
+        "image_patches": patches,
+    }
+    stats = {
+        "images": int(offsets[-1]),
+        "distinct_images": len(chosen),
+        "image_tokens": int((types >= 0).sum()),
+        "image_patch_bytes": int(patches.nbytes),
+        # the files the patches were made from: a load finds one changed (image_files_changed)
+        "image_files": [_file_record(i) for i in chosen if i.path is not None],
+    }
+    return arrays, stats
+
+
+def _file_record(image: image_rows.ImageSource) -> list[Any]:
+    assert image.path is not None
+    st = image.path.stat()
+    return [str(image.path), st.st_size, st.st_mtime_ns, image.digest]
+
+
+def image_files_changed(manifest: dict[str, Any]) -> str | None:
+    """The first image file of a cache entry whose content is not what its patches were made
+    from (missing, or another sha256; a file whose size and mtime are unchanged is trusted
+    without reading it), or None."""
+    import hashlib
+
+    records = manifest.get("image_files", [])
+    for record in records if isinstance(records, list) else [None]:
+        if not (isinstance(record, list) and len(record) == 4
+                and [type(v) for v in record] == [str, int, int, str]):  # fmt: skip
+            return f"image_files holds {str(record)[:80]}, not [path, size, mtime_ns, sha256]"
+        path, size, mtime_ns, digest = record
+        try:
+            st = Path(path).stat()
+            if (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
+                continue
+            if hashlib.sha256(Path(path).read_bytes()).hexdigest() != digest:
+                return f"image {path} changed since the packs were built (sha256 differs)"
+        except OSError as exc:
+            return f"image {path} is gone or unreadable since the packs were built ({exc})"
+    return None
+
+
+def _int16() -> Any:
+    import torch
+
+    return torch.int16
 
 
 def _try_load(
@@ -451,11 +610,14 @@ def _try_load(
         return None
     try:
         manifest = cache.verify(entry, key, fields)
+        changed = image_files_changed(manifest)
+        if changed is not None:
+            raise cache.CacheInvalid(f"{entry}: {changed}")
     except cache.CacheInvalid as exc:
         if not quiet:
             log.warning("pack cache entry is invalid, rebuilding it: %s", exc)
         return None
-    return PackedCorpus(entry=entry, arrays=cache.map_arrays(entry), manifest=manifest)
+    return PackedCorpus(entry=entry, arrays=cache.map_arrays(entry, manifest), manifest=manifest)
 
 
 def _finish(
@@ -567,5 +729,7 @@ def build_or_load(spec: PackSpec, *, progress: bool | None = None) -> PackedCorp
         build_s = time.perf_counter() - t_build
         # publish may hand back an equal entry another host published first: read its manifest.
         manifest = cache.read_manifest(entry)
-        corpus = PackedCorpus(entry=entry, arrays=cache.map_arrays(entry), manifest=manifest)
+        corpus = PackedCorpus(
+            entry=entry, arrays=cache.map_arrays(entry, manifest), manifest=manifest
+        )
     return _finish(corpus, key=key, hit=False, build_s=build_s, t0=t0)

@@ -117,15 +117,16 @@ def _image_part(messages: Any) -> str | None:
 
 def check_no_images(row: dict[str, Any]) -> None:
     """Refuse a row that carries an image (a content part of type image / image_url /
-    input_image, or an `images` / `image` field): the text model is trained, not its vision
-    tower, and dropping the image would train on a conversation that was not had."""
+    input_image, or an `images` / `image` field) for a model without a vision tower: dropping
+    the image would train on a conversation that was not had. (A DeepSeek-V4.1 release with a
+    `vision_config` reads them: `image_rows`.)"""
     found = [f"field {k!r}" for k in IMAGE_FIELDS if row.get(k) not in (None, [], "")]
     found += [f"{key} {w}" for key in MESSAGE_LISTS if (w := _image_part(row.get(key)))]
     if found:
         raise BadRow(
             "image",
-            f"an image ({found[0]}): images are not trained (the vision tower is out of scope); "
-            "drop the row or its image",
+            f"an image ({found[0]}): this model has no vision tower (images are read for a "
+            "DeepSeek-V4.1 release with a vision_config); drop the row or its image",
         )
 
 

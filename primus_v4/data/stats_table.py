@@ -48,6 +48,17 @@ def summary_table(stats: dict[str, Any]) -> str:
             "supervised tokens",
             f"{stats['supervised_tokens']} ({100 * stats['supervised_fraction']:.2f}%)",
         ),
+        *(
+            [
+                (
+                    "images (distinct)",
+                    f"{stats['images']} ({stats['distinct_images']}): {stats['image_tokens']} "
+                    f"image tokens, {stats['image_patch_bytes'] / 2**20:.1f} MiB of patches",
+                )
+            ]
+            if "images" in stats
+            else []
+        ),
         (
             "packs with no sample of 128+ tokens",
             stats.get("packs_without_128_window", ""),

@@ -39,7 +39,7 @@ from primus_v4.config.resolve import check_pretrained, train_steps
 from primus_v4.data.pipeline import build_or_load
 from primus_v4.data.stats_table import summary_table
 from primus_v4.data.thd import ThdBatch
-from primus_v4.errors import PrimusError
+from primus_v4.errors import DataError, PrimusError
 from primus_v4.log import get_logger
 from primus_v4.models import spec_of
 from primus_v4.training import run_dirs
@@ -70,7 +70,21 @@ def build_corpus(run: ResolvedRun) -> Corpus:
     """Pack the corpus through the node-local cache (or load the cached packs)."""
     corpus = build_or_load(run.data)
     log.info("corpus %s:\n%s", run.data.describe(), summary_table(corpus.stats))
+    refuse_images(corpus, run.data.describe())
     return corpus
+
+
+def refuse_images(corpus: Corpus, where: str) -> None:
+    """Packs with images are not trained yet: the trainer does not feed the image encoder, and
+    training the spans as text would learn the placeholder's embedding. Said in one line (the
+    packs stay cached for the run that feeds them)."""
+    images = corpus.stats.get("images", 0)
+    if images:
+        raise DataError(
+            f"data {where}: its packs hold {images} images ({corpus.stats['image_tokens']} image "
+            "tokens); training on rows with images is not supported yet (`primus-v4 pack` "
+            "reads and packs them); drop the image rows to train on the text"
+        )
 
 
 def build_model(run: ResolvedRun) -> nn.Module:
@@ -201,7 +215,9 @@ class Trainer:
         """Held-out loss (primus_v4.training.evaluation); None without evaluation data."""
         if corpus is None and self.run.eval_data is None:
             return None
-        corpus = corpus if corpus is not None else build_or_load(self.run.eval_data)
+        if corpus is None:
+            corpus = build_or_load(self.run.eval_data)
+            refuse_images(corpus, self.run.eval_data.describe())
         return Evaluator(
             corpus,
             layout=self.cfg.data.layout,

@@ -1,6 +1,7 @@
 """A DeepSeek-V4.1 run's corpus: conversations render in the V4.1 format through the trainer's
-pack path (`data.chat_format: auto` follows the model), and rows with images are refused, named
-by file and line, and counted as bad rows (or stop a `data.strict` pack in one line)."""
+pack path (`data.chat_format: auto` follows the model), and for a model without a vision tower
+rows with images are refused, named by file and line, and counted as bad rows (or stop a
+`data.strict` pack in one line)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_a_v41_run_packs_conversations_in_the_v41_format(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("row", IMAGE_ROWS, ids=["image_url part", "images field", "sharegpt"])
 def test_a_row_with_an_image_is_refused(row: dict) -> None:
-    with pytest.raises(BadRow, match="vision tower is out of scope") as exc:
+    with pytest.raises(BadRow, match="this model has no vision tower") as exc:
         check_no_images(row)
     assert exc.value.reason == "image"
 
