@@ -9,6 +9,7 @@ holds samples pack_sample_range(i) and its tokens are one contiguous slice of th
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,11 +67,21 @@ def layout(
     }
 
 
-def to_thd_batch(arrays: dict[str, np.ndarray]) -> ThdBatch:
+def to_thd_batch(
+    arrays: dict[str, np.ndarray], images: list[tuple[np.ndarray, tuple[int, int]]] = ()
+) -> ThdBatch:
+    """The row as tensors; `images` (uint16 bf16 bits [h * w, 3 * p * p], (h, w)) become bf16
+    patches [h * w, 3, p, p]."""
     import torch
 
     from primus_v4.data.thd import ThdBatch
 
+    types = arrays.get("token_types")
+    pictures = []
+    for bits, (h, w) in images:
+        p = math.isqrt(bits.shape[1] // 3)
+        patches = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)
+        pictures.append((patches.reshape(h * w, 3, p, p), (h, w)))
     return ThdBatch(
         input_ids_S=torch.from_numpy(arrays["input_ids"]),
         labels_S=torch.from_numpy(arrays["labels"]),
@@ -78,6 +89,8 @@ def to_thd_batch(arrays: dict[str, np.ndarray]) -> ThdBatch:
         position_ids_S=torch.from_numpy(arrays["position_ids"]),
         cu_seqlens_N1=torch.from_numpy(arrays["cu_seqlens"]),
         padding_mask_S=torch.from_numpy(arrays["padding_mask"]),
+        token_types_S=None if types is None else torch.from_numpy(types),
+        images=tuple(pictures),
     )
 
 
@@ -176,7 +189,7 @@ class PackedCorpus:
         return self.images(*self.pack_sample_range(i))
 
     def thd_batch(self, i: int) -> ThdBatch:
-        return to_thd_batch(self.pack_arrays(i))
+        return to_thd_batch(self.pack_arrays(i), self.pack_images(i))
 
     def sample_arrays(self, j: int) -> dict[str, np.ndarray]:
         """Sample j alone, padded to seq_length: the unpacked (BSHD) baseline row."""
@@ -184,7 +197,8 @@ class PackedCorpus:
         return self._row(j, j + 1)
 
     def bshd_batch(self, j: int) -> ThdBatch:
-        return to_thd_batch(self.sample_arrays(j))
+        j = self._check(j, self.num_samples, "sample")
+        return to_thd_batch(self.sample_arrays(j), self.images(j, j + 1))
 
     def export_jsonl(self, path: Path) -> int:
         """One pack per line with integer lists; returns the number of packs written. The file

@@ -32,6 +32,10 @@ class ThdBatch:
     position_ids_S: torch.Tensor
     cu_seqlens_N1: torch.Tensor
     padding_mask_S: torch.Tensor
+    token_types_S: torch.Tensor | None = None
+    """A row with images: int8 token types (-1 text and padding; 0-3 an image span's parts)."""
+    images: tuple[tuple[torch.Tensor, tuple[int, int]], ...] = ()
+    """A row with images: (bf16 patches [h * w, 3, p, p], (h, w)) per span, in span order."""
 
     def __post_init__(self) -> None:
         s = self.input_ids_S.shape[0]
@@ -46,6 +50,16 @@ class ThdBatch:
             raise ValueError(f"ThdBatch.cu_seqlens must start at 0 and end at S={s}, got {cu}")
         if bool((cu[1:] <= cu[:-1]).any()):
             raise ValueError(f"ThdBatch.cu_seqlens must be strictly increasing, got {cu}")
+        if self.token_types_S is not None:
+            types = self.token_types_S
+            if types.dim() != 1 or types.shape[0] != s:
+                raise ValueError(f"ThdBatch.token_types must have shape [{s}], got "
+                                 f"{tuple(types.shape)}")  # fmt: skip
+            spans = int((types == 0).sum())
+            if spans != len(self.images):
+                raise ValueError(f"ThdBatch: {spans} image spans but {len(self.images)} images")
+        elif self.images:
+            raise ValueError("ThdBatch: images without token_types")
         if self.padding_mask_S.dtype != torch.bool:
             raise ValueError("ThdBatch.padding_mask must be bool (True = pad)")
         if bool((self.loss_mask_S[self.padding_mask_S] != 0).any()):

@@ -138,6 +138,9 @@ class ModelSpec:
     """(release directory, prompts [token ids], *, max_new_tokens, progress) -> a report of
     greedy speculative decoding with the release's drafter (`.as_dict()`: mean accepted draft
     tokens per block, draft share, ...); None: the family has no drafter to measure."""
+    attach_images: Callable[..., Any] | None = None
+    """(rank module, release directory, *, device) -> the release's image encoder (frozen)
+    set on the module, for rows with images; None: the family has no vision tower."""
     place_tables: Callable[..., Any] | None = None
     """(rank module, the run's `model` section, *, ctx) after the cut and fill: where the
     family's lookup tables live (DeepSeek-V4.1's Engram, `model.engram`); None: nothing to

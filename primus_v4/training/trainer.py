@@ -70,21 +70,28 @@ def build_corpus(run: ResolvedRun) -> Corpus:
     """Pack the corpus through the node-local cache (or load the cached packs)."""
     corpus = build_or_load(run.data)
     log.info("corpus %s:\n%s", run.data.describe(), summary_table(corpus.stats))
-    refuse_images(corpus, run.data.describe())
+    check_images(corpus, run, run.data.describe())
     return corpus
 
 
-def refuse_images(corpus: Corpus, where: str) -> None:
-    """Packs with images are not trained yet: the trainer does not feed the image encoder, and
-    training the spans as text would learn the placeholder's embedding. Said in one line (the
-    packs stay cached for the run that feeds them)."""
+def check_images(corpus: Corpus, run: ResolvedRun, where: str) -> None:
+    """Packs with images train on one process or data parallel, from a release with a vision
+    tower (its image encoder fills the spans): anything else is one line, before the model is
+    built."""
     images = corpus.stats.get("images", 0)
-    if images:
-        raise DataError(
-            f"data {where}: its packs hold {images} images ({corpus.stats['image_tokens']} image "
-            "tokens); training on rows with images is not supported yet (`primus-v4 pack` "
-            "reads and packs them); drop the image rows to train on the text"
-        )
+    if not images:
+        return
+    cfg, what = run.cfg, f"data {where}: its packs hold {images} images"
+    if spec_of(run.model).attach_images is None:
+        raise DataError(f"{what}, and {spec_of(run.model).title} has no vision tower")
+    if cfg.model.pretrained is None:
+        raise DataError(f"{what}: set model.pretrained to the release whose vision tower (its "
+                        "image encoder) reads them")  # fmt: skip
+    sizes = {"parallel.pp": cfg.parallel.pp, "parallel.cp": cfg.parallel.cp}
+    over = [f"{k}={v}" for k, v in sizes.items() if v > 1]
+    if over:
+        raise DataError(f"{what}; rows with images train on one process or data parallel for "
+                        f"now: {', '.join(over)} must be 1 (or drop the image rows)")  # fmt: skip
 
 
 def build_model(run: ResolvedRun) -> nn.Module:
@@ -194,6 +201,8 @@ class Trainer:
         self._release_reads: ReadRecord | None = None
         self.model = self._parallelize(model)
         self._check_release_reads()
+        self._images_attached = False
+        self._attach_images(self.corpus)
         self.quant = self._quant_aware()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(
@@ -217,7 +226,8 @@ class Trainer:
             return None
         if corpus is None:
             corpus = build_or_load(self.run.eval_data)
-            refuse_images(corpus, self.run.eval_data.describe())
+            check_images(corpus, self.run, self.run.eval_data.describe())
+        self._attach_images(corpus)
         return Evaluator(
             corpus,
             layout=self.cfg.data.layout,
@@ -259,6 +269,17 @@ class Trainer:
         self._drawn = built.drawn
         self.pipeline: Any = built.pipeline
         return built.model
+
+    def _attach_images(self, corpus: Corpus) -> None:
+        """The release's image encoder on the model, once, when `corpus` holds images
+        (`check_images` allowed them: a family with a vision tower, a release)."""
+        if not corpus.stats.get("images") or self._images_attached:
+            return
+        assert self.spec.attach_images is not None and self.cfg.model.pretrained is not None
+        self.spec.attach_images(self.model, self.cfg.model.pretrained, device=self.runtime.device)
+        self._images_attached = True
+        log.info("image encoder: the vision tower and aligner of %s (frozen)",
+                 self.cfg.model.pretrained)  # fmt: skip
 
     def _quant_aware(self) -> Any:
         """train.quant_aware=release: the rank's weights the release stores FP8 / FP4, each

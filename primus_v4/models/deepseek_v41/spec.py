@@ -44,6 +44,15 @@ def _step_hooks(modules: Any, section: Any, *, group: Any = None) -> list[Any]:
     return v4._step_hooks(modules, section, group=group)
 
 
+def _attach_images(module: Any, release: Any, *, device: Any) -> None:
+    """The release's image encoder (vision tower, aligner, span vectors; frozen, float32) on
+    the backbone, whose forward then fills image spans (`DeepseekV41Model.set_image_encoder`)."""
+    from primus_v4.models.deepseek_v41.vision import load_image_encoder
+
+    target = getattr(module, "module", module)  # a wrapper's inner model
+    target.set_image_encoder(load_image_encoder(release).to(device))
+
+
 SPEC = ModelSpec(
     name="deepseek_v41",
     title="DeepSeek-V4.1",
@@ -82,4 +91,5 @@ SPEC = ModelSpec(
     ),
     speculate=speculate,
     place_tables=place_for_run,
+    attach_images=_attach_images,
 )

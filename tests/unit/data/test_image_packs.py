@@ -157,18 +157,6 @@ def test_a_text_corpus_of_a_release_with_a_vision_tower_packs_as_text(tmp_path, 
                               "sample_rows")] + ["manifest.json"])  # fmt: skip
 
 
-def test_the_trainer_refuses_packs_with_images_in_one_line(tmp_path, release) -> None:
-    from primus_v4.training.trainer import refuse_images
-
-    data = _corpus(tmp_path, [_row("img0.png"), _row(words=10)])
-    corpus = build_or_load(_spec(tmp_path, release, data))
-    with pytest.raises(
-        DataError, match=r"packs hold 1 images \(8 image tokens\); training on rows"
-    ):
-        refuse_images(corpus, str(data))
-    refuse_images(build_or_load(_spec(tmp_path, release, _corpus(tmp_path, [_row()]))), "text")
-
-
 def test_bad_pictures_are_counted_with_their_line_and_strict_names_the_first(
     tmp_path, release
 ) -> None:

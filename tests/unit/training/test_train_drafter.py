@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from release_0731 import write_release_0731
+from threads import one_thread  # noqa: F401 (the fixture)
 from train_fakes import RAGGED_PACKS, SEQ, FakeCorpus
 
 from primus_v4.config import load_config, resolve_run
@@ -42,12 +43,7 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_only_trains_the_drafter_and_checkpoints_only_it(tmp_path: Path) -> None:

@@ -126,8 +126,10 @@ def materialize(
     if weights is None:
         model.init_weights(seed)  # type: ignore[operator]
     else:
-        weights(model)
+        # derived buffers first: the load then fills what the release holds of them (V4.1's
+        # image routing bias `bias_vl`, zeroed by init_buffers, was left zero the other way)
         init_buffers(model)
+        weights(model)
     log.info("materialized %d parameters on %s", sum(p.numel() for p in model.parameters()),
              device)  # fmt: skip
 

@@ -48,3 +48,12 @@ class CpSplitter(V4CpSplitter):
                                  seed=cfg.dspark_anchor_seed, rate=cfg.dspark_anchor_rate,
                                  block=cfg.dspark_block_size)  # fmt: skip
         return dataclasses.replace(counts, draft=slots)
+
+    def model_inputs(self, row: ThdBatch) -> dict[str, Any]:
+        """DeepSeek-V4's inputs, with a row's token types and images (one CP rank: the model
+        refuses images under context parallelism)."""
+        inputs = super().model_inputs(row)
+        if row.token_types_S is not None:
+            inputs["token_types"] = row.token_types_S[None].to(self.device)
+            inputs["images"] = [(p.to(self.device), hw) for p, hw in row.images]
+        return inputs
