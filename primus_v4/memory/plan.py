@@ -420,6 +420,19 @@ def recompute_note(cfg: Any, layers: list[int | None], *, seq: int) -> str:
     )
 
 
+def _image_rows(plan: MemoryPlan, run: Any) -> None:
+    """A release with a vision tower: its frozen image encoder on every rank (loaded when the
+    packs hold images; counted always, the worst case) and the encoding of the largest image."""
+    terms = spec_of(run.model).memory.image_encoder(run.cfg.model.pretrained, b=4)  # float32
+    if terms is None:
+        return
+    params, transient = terms
+    plan.add("image encoder (frozen; used when the packs hold images)", params * 4)
+    plan.add("encoding the largest image (no gradient)", transient, phase="backward")
+    plan.notes.append(f"image encoder: {params / 1e6:.1f}M parameters held in float32, counted "
+                      "even for a corpus without images")  # fmt: skip
+
+
 def plan_memory(
     run: Any,
     *,
@@ -478,6 +491,7 @@ def plan_memory(
                         attention_backend=attention_backend,
                         head_trains=not lora.rank,
                         experts_rebuilt=lora.keeps_release)  # fmt: skip
+        _image_rows(plan, run)
         plan.attention = f"sparse attention saved as {attention_backend}'s: {why}"
         plans.append(plan)
     return plans

@@ -82,6 +82,11 @@ class MemoryTerms:
     stage_rows: Callable[..., list[tuple[str, float]]] = lambda cfg, layers, **kw: []
     """(model config, the stage's decoder layers, *, seq, t, held) -> (name, bytes) of what a
     stage holds in the backward phase besides its layers' saved sets (shared caches, ...)."""
+    image_encoder: Callable[..., tuple[int, float] | None] = lambda release, *, b: None
+    """(release directory, *, b bytes per value) -> (the image encoder's parameters, the
+    transient bytes of encoding the largest image the release plans), None without a vision
+    tower: what a run on packs with images adds (the encoder is frozen: no gradient, no
+    optimizer state)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -138,3 +138,32 @@ def stage_rows(
                 sum(shared.values())))  # fmt: skip
     out.append(("indexer scores, chunked by query rows", index_scores(cfg, seq=seq)))
     return out
+
+
+def image_encoder_bytes(release: Any, *, b: int) -> tuple[int, float] | None:
+    """(parameters, transient bytes of the largest image) of the release's image encoder, None
+    without a vision tower. The largest image fills `max_image_tokens`: one LLM cell per 3 x 3
+    ViT patches, so at most (max_image_tokens - 2) x 9 patches; encoding one (no gradient) holds
+    a block's activations (4 x width + 2 x ffn values per patch, with the fused qkv and w1) and
+    the attention scores of each head (patches^2, float32, the math kernel's worst case)."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from primus_v4.data.images import ImageGrid
+    from primus_v4.models.deepseek_v41.vision import ImageEncoder, VisionSizes
+
+    if release is None or not (Path(release) / "config.json").is_file():
+        return None
+    config = json.loads((Path(release) / "config.json").read_text(encoding="utf-8"))
+    if not isinstance(config, dict) or "vision_config" not in config:
+        return None
+    sizes = VisionSizes.of(config)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in ImageEncoder(sizes).parameters())
+    grid = ImageGrid.of(config)
+    patches = (grid.max_image_tokens - 2) * grid.downsample_ratio**2
+    blocks = patches * (4 * sizes.width + 2 * sizes.ffn) * b
+    scores = sizes.heads * patches * patches * 4
+    return params, float(blocks + scores)

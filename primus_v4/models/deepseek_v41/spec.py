@@ -88,6 +88,7 @@ SPEC = ModelSpec(
         layer_parts=memory_terms.layer_parts_of,
         layer_role=memory_terms.layer_role,
         stage_rows=memory_terms.stage_rows,
+        image_encoder=memory_terms.image_encoder_bytes,
     ),
     speculate=speculate,
     place_tables=place_for_run,

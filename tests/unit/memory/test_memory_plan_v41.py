@@ -112,3 +112,33 @@ def test_inspect_memory_prints_a_v41_plan(capsys) -> None:
     assert "memory plan per rank: world 1 = pp 1 x cp 1 x dp 1, ep 1; tiny_v41" in out
     assert "1 ratio1 reuse +engram layers: saved activations x 1 micro-batch" in out
     assert "Engram tables, FP8 + e8m0, in host memory" in out
+
+
+def test_a_release_with_a_vision_tower_counts_its_image_encoder() -> None:
+    """The golden release with a vision tower: the plan holds the frozen encoder (its
+    parameters in float32, exactly those `load_image_encoder` makes) and the transient of
+    encoding the largest image (the release's max_image_tokens); the text-only release adds
+    neither."""
+    from pathlib import Path
+
+    from primus_v4.models.deepseek_v41.vision import load_image_encoder
+
+    fixtures = Path(__file__).resolve().parents[2] / "fixtures"
+    vision = fixtures / "dsv41_vision_golden" / "checkpoint"
+
+    def rows(release: Path) -> dict[str, tuple[float, str]]:
+        items = ["model.preset=null", f"model.pretrained={release}"]
+        run = resolve_run(load_config(overrides=items), world=1)
+        [plan] = plan_memory(run)
+        return {name: (d, phase) for name, d, _, phase in plan.rows}
+
+    got = rows(vision)
+    params = sum(p.numel() for p in load_image_encoder(vision).parameters())
+    held = got["image encoder (frozen; used when the packs hold images)"]
+    assert held == (params * 4, "static")
+    # max_image_tokens 32: (32 - 2) x 9 = 270 patches; width 64, ffn 96, 4 heads
+    patches = 270
+    want = patches * (4 * 64 + 2 * 96) * 4 + 4 * patches * patches * 4
+    assert got["encoding the largest image (no gradient)"] == (want, "backward")
+    text = rows(fixtures / "dsv41_golden" / "checkpoint")
+    assert not [name for name in text if "image" in name]
