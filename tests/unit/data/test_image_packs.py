@@ -168,3 +168,27 @@ def test_bad_pictures_are_counted_with_their_line_and_strict_names_the_first(
     assert example["where"].endswith("rows.jsonl line 2") and "missing.png" in example["detail"]
     with pytest.raises(DataError, match=r"rows.jsonl line 2: image 1 \(.*missing.png\)"):
         build_or_load(_spec(tmp_path, release, data, strict=True))
+
+
+def test_a_parquet_corpus_with_a_hub_image_feature_packs_its_pictures(tmp_path, release):
+    """A dataset saved with `datasets`' Image feature (each picture's bytes in the parquet file,
+    its path a bare file name that exists nowhere) and LLaVA placeholders: the pictures come
+    from the embedded bytes."""
+    from datasets import Dataset, Features, Image, Sequence, Value
+
+    pictures = [[{"bytes": (GOLDEN / "images" / name).read_bytes(), "path": name}]
+                for name in ("img0.png", "img1.png")]  # fmt: skip
+    turn = {"role": Value("string"), "content": Value("string")}
+    chat = [{"role": "user", "content": "<image>What is it?"},
+            {"role": "assistant", "content": "grey"}]  # fmt: skip
+    ds = Dataset.from_dict({"images": pictures, "messages": [chat, chat]},
+                           features=Features({"images": Sequence(Image()),
+                                              "messages": [turn]}))  # fmt: skip
+    data = tmp_path / "hub" / "train.parquet"
+    data.parent.mkdir()
+    ds.to_parquet(str(data))
+    corpus = build_or_load(_spec(tmp_path, release, data))
+    assert corpus.stats["bad_rows"] == {}
+    assert (corpus.stats["images"], corpus.stats["image_tokens"]) == (2, 8 + 11)
+    files = json.loads((corpus.entry / "manifest.json").read_text())["image_files"]
+    assert files == [], "embedded pictures: no file to watch"
