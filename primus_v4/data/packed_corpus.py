@@ -201,9 +201,12 @@ class PackedCorpus:
         return to_thd_batch(self.sample_arrays(j), self.images(j, j + 1))
 
     def export_jsonl(self, path: Path) -> int:
-        """One pack per line with integer lists; returns the number of packs written. The file
-        is written beside `path` and renamed into place: a failed export leaves no partial file."""
+        """One pack per line with integer lists (with images, also each token's type); returns
+        the number of packs written. The file is written beside `path` and renamed into place:
+        a failed export leaves no partial file."""
         keys = ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens")
+        if self.has_images:  # the spans' token types (the pictures stay in the cache)
+            keys += ("token_types",)
         path = Path(path)
         tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
         try:

@@ -92,6 +92,10 @@ def test_packs_carry_whole_spans_untrained_with_their_pictures(tmp_path, release
         span = -(-h // 3) * (-(-w // 3) + 1) + 2
         want.append((span, (h * w, 588), (h, w)))
     assert got == sorted(want)
+    exported = tmp_path / "packs.jsonl"
+    assert corpus.export_jsonl(exported) == len(corpus)
+    first_row = json.loads(exported.read_text().splitlines()[0])
+    assert first_row["token_types"] == corpus.pack_arrays(0)["token_types"].tolist()
     # the stored bits are the processor's, picture for picture
     first = next(i for i in range(len(corpus)) if corpus.pack_images(i))
     for patches, hw in corpus.pack_images(first):
