@@ -24,6 +24,7 @@ import binascii
 import hashlib
 import json
 import re
+import stat
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,6 +261,9 @@ def resolve_images(refs: list[Any], base: Path | None, grid: ImageGrid) -> list[
             name, path, data = _bytes_of(ref, k, base)
         if path is not None:
             try:
+                if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or /dev/zero never ends
+                    raise BadRow("image_unreadable", f"image {k + 1} ({path}): not a regular "
+                                 "file")  # fmt: skip
                 size = path.stat().st_size
                 if size > MAX_IMAGE_BYTES:
                     raise BadRow("image_unreadable", f"image {k + 1} ({path}): {size} bytes, "

@@ -155,7 +155,7 @@ def open_image(image: Any, *, where: str = "") -> Any:
         source = io.BytesIO(image) if isinstance(image, bytes | bytearray) else Path(image)
         with Image.open(source) as opened:
             return opened.convert("RGB")
-    except (OSError, UnidentifiedImageError, ValueError) as exc:
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
         at = f" ({where})" if where else ""
         raise DataError(f"image {name}{at}: cannot read it as a picture: {exc}") from None
 

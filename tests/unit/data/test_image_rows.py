@@ -197,3 +197,28 @@ def test_a_tokenizer_without_the_image_token_is_refused(grid, tmp_path) -> None:
     other = load_tokenizer(tmp_path)
     with pytest.raises(DataError, match="not the model's image_token_id 129264"):
         _render([_ask({"type": "image", "image": str(IMG0)}, TEXT)], other, grid)
+
+
+def test_a_fifo_a_device_and_a_decompression_bomb_are_bad_rows_not_a_hang(
+    tokenizer, grid, tmp_path, monkeypatch
+) -> None:
+    """An image path naming /dev/zero or a FIFO would read forever; a picture of more pixels
+    than Pillow's bomb bound raised past the bad-row handling: each is `image_unreadable`."""
+    import os
+
+    from PIL import Image
+
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    rows = [_ask({"type": "image", "image": p}, TEXT) for p in ("/dev/zero", str(fifo))]
+    r = _render([*rows, _ask({"type": "image", "image": str(IMG0)}, TEXT)], tokenizer, grid)
+    assert r.bad_rows == {"image_unreadable": 2}
+    assert all("not a regular file" in e["detail"] for e in r.bad_examples)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)  # img0's 2352 pixels: over 2x the bound
+    with pytest.raises(DataError, match="no usable row"):
+        _render([_ask({"type": "image", "image": str(IMG0)}, TEXT)], tokenizer, grid)
+    r = _render([_ask({"type": "image", "image": str(IMG0)}, TEXT), {"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}],
+        tokenizer, grid)  # fmt: skip
+    assert r.bad_rows == {"image_unreadable": 1}
+    assert "decompression bomb" in r.bad_examples[0]["detail"].lower()
