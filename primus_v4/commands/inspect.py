@@ -112,7 +112,9 @@ def _cache_run(args: argparse.Namespace) -> int:
             f"  {item['key']}  {item['status']:<10} {item['bytes'] / 2**20:8.1f} MiB  "
             f"seq={item['seq_length']} {item['algorithm']} packs={item['num_packs']} "
             f"samples={item['num_samples']} real={100 * item['real_fraction']:.1f}% "
-            f"supervised={100 * item['supervised_fraction']:.1f}%  data={item['data']}{used}"
+            f"supervised={100 * item['supervised_fraction']:.1f}%"
+            + (f" images={item['images']}" if item["images"] else "")
+            + f"  data={item['data']}{used}"
         )
     for role, w in wanted.items():
         found = "hit: the run loads it" if w["hit"] else "miss: the run builds it"
@@ -138,8 +140,13 @@ def _describe(path: Path, *, verify: bool) -> dict:
         return {"entry": path.name, "status": f"{'CORRUPT' if verify else 'invalid'}: {exc}"}
     status = "ok" if not verify else "verified"
     if verify:
+        from primus_v4.data.pipeline import image_files_changed
+
         try:
             cache.verify(path, key)
+            changed = image_files_changed(manifest)
+            if changed is not None:  # the files are sound; the next load rebuilds it
+                status = f"stale ({changed}; the next load rebuilds it)"
         except cache.CacheInvalid as exc:
             status = f"CORRUPT ({exc})"
     stats, fields = manifest["stats"], manifest["key_fields"]
@@ -152,6 +159,7 @@ def _describe(path: Path, *, verify: bool) -> dict:
         "algorithm": fields.get("algorithm"),
         "key_fields": fields,
         **{k: stats.get(k) for k in STATS_KEYS if k not in _PER_CALL_STATS},
+        "images": stats.get("images", 0),
     }
 
 

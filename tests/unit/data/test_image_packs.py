@@ -106,7 +106,7 @@ def test_packs_carry_whole_spans_untrained_with_their_pictures(tmp_path, release
 
 
 def test_the_same_packs_come_from_the_cache_and_a_changed_picture_rebuilds(
-    tmp_path, release
+    tmp_path, release, capsys
 ) -> None:
     data = _corpus(tmp_path, [_row("img0.png"), _row("img1.png")])
     spec = _spec(tmp_path, release, data)
@@ -127,6 +127,12 @@ def test_the_same_packs_come_from_the_cache_and_a_changed_picture_rebuilds(
     picture = tmp_path / "corpus" / "pics" / "img1.png"
     shutil.copy(GOLDEN / "images" / "img2.png", picture)
     os.utime(picture, ns=(1, 1))
+    from primus_v4.cli import main
+
+    assert main(["inspect", "cache", str(tmp_path / "packs"), "--verify", "--json"]) == 0
+    [entry] = [json.loads(x) for x in capsys.readouterr().out.splitlines() if '"key"' in x]
+    assert entry["images"] == 2
+    assert entry["status"].startswith(f"stale (image {picture} changed since the packs were")
     again = build_or_load(spec)
     assert not again.stats["cache_hit"]
     assert again.stats["image_tokens"] == 8 + 30
