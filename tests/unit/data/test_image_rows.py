@@ -222,3 +222,30 @@ def test_a_fifo_a_device_and_a_decompression_bomb_are_bad_rows_not_a_hang(
         tokenizer, grid)  # fmt: skip
     assert r.bad_rows == {"image_unreadable": 1}
     assert "decompression bomb" in r.bad_examples[0]["detail"].lower()
+
+
+@pytest.mark.parametrize(
+    ("mode", "size"),
+    [("RGBA", (50, 40)), ("P", (64, 64)), ("L", (30, 90)), ("I;16", (40, 40)),
+     ("CMYK", (40, 40)), ("1", (33, 33)), ("RGB", (1, 1)), ("RGB", (4000, 3)),
+     ("RGB", (3, 4000)), ("LA", (20, 20)), ("F", (16, 16))],
+)  # fmt: skip
+def test_any_picture_mode_and_shape_plans_a_span_its_patches_fill(mode, size, grid) -> None:
+    """Modes Pillow converts to RGB (alpha dropped, palettes, 16-bit and float grey, CMYK,
+    1-bit), a 1 x 1 picture and 4000 x 3 strips, under the golden and the release's settings:
+    the span planned from the row equals the span of the patches made later."""
+    import io
+
+    from PIL import Image
+
+    from primus_v4.data.images import image_patches
+
+    buffer = io.BytesIO()
+    Image.new(mode, size).save(buffer, format="TIFF" if mode in ("CMYK", "F", "I;16") else "PNG")
+    for settings in (grid, ImageGrid()):  # ImageGrid(): DeepSeek-V4.1-Flash's own
+        [source] = resolve_images([buffer.getvalue()], None, settings)
+        patches, (h, w) = image_patches(buffer.getvalue(), settings)
+        assert patches.shape == (h * w, 3, 14, 14)
+        cells = (-(-h // 3), -(-w // 3))
+        assert (source.llm_h, source.llm_w) == cells
+        assert source.span == cells[0] * (cells[1] + 1) + 2 <= settings.max_image_tokens
