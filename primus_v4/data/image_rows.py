@@ -176,11 +176,11 @@ def _replace_llava(messages: list[dict[str, Any]]) -> int:
     return count
 
 
-def take_images(row: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+def take_images(row: dict[str, Any]) -> tuple[dict[str, Any], list[Any], bool]:
     """(the row with image content parts as placeholders and its image fields removed, the
-    image refs of content parts, the refs of the `images` / `image` column). The `<image>`
-    placeholders of the column's images are replaced after `shapes` normalizes the row
-    (`place_column_images`)."""
+    image refs in conversation order, whether they came from content parts rather than the
+    `images` / `image` column). The `<image>` placeholders of a column's images are replaced
+    after `shapes` normalizes the row (`place_column_images`)."""
     refs: list[Any] = []
     joined = _with_parts_joined(row, refs)
     column = _column_images(joined)
@@ -192,7 +192,7 @@ def take_images(row: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
         )
     for k in IMAGE_FIELDS:
         joined.pop(k, None)
-    return joined, refs or column
+    return joined, refs or column, bool(refs)
 
 
 def place_column_images(messages: list[dict[str, Any]], refs: list[Any], *, parts: bool) -> None:

@@ -172,8 +172,7 @@ def _row_with_images(
     the row's, n the placeholders its text shows); raises BadRow."""
     if not isinstance(value, dict):
         raise BadRow("not_an_object", f"a {type(value).__name__}, not a JSON object")
-    row, refs = take_images(value)
-    parts = len(refs) > 0 and not any(value.get(k) for k in shapes.IMAGE_FIELDS)
+    row, refs, parts = take_images(value)
     mode, samples = row_samples(row, shape, chat_mode, fmt, image_refs=refs, image_parts=parts)
     shown = [text.count(PLACEHOLDER) for text, _ in samples]
     if max(shown, default=0) != len(refs):

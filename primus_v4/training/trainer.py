@@ -82,8 +82,9 @@ def check_images(corpus: Corpus, run: ResolvedRun, where: str) -> None:
     if not images:
         return
     cfg, what = run.cfg, f"data {where}: its packs hold {images} images"
-    if spec_of(run.model).attach_images is None:
-        raise DataError(f"{what}, and {spec_of(run.model).title} has no vision tower")
+    spec = spec_of(run.model)
+    if spec.attach_images is None:
+        raise DataError(f"{what}, and {spec.title} has no vision tower")
     if cfg.model.pretrained is None:
         raise DataError(f"{what}: set model.pretrained to the release whose vision tower (its "
                         "image encoder) reads them")  # fmt: skip
