@@ -241,6 +241,36 @@ def _recompute_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
 
 def _draft_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
     overrides.update(draft_overrides(cfg))
+    overrides.update(vision_overrides(cfg))
+
+
+def vision_overrides(cfg: RunConfig) -> dict[str, Any]:
+    """`model.vision.train` as the model config's `vision_train` (set only when the encoder
+    trains, so a family without one is refused by `check_vision` in words)."""
+    train = cfg.model.vision.train
+    return {} if train == "frozen" else {"vision_train": train}
+
+
+def check_vision(cfg: RunConfig, sizes: ParallelDims, family: str) -> None:
+    """`model.vision.train` aligner / all: DeepSeek-V4.1 from a release (whose encoder the run
+    trains), one pipeline stage and context rank (as rows with images); data parallel works."""
+    train = cfg.model.vision.train
+    if train == "frozen":
+        return
+    where = f"model.vision.train={train}"
+    if family != "deepseek_v41":
+        raise ConfigError(f"{where}: the {family} family has no image encoder (DeepSeek-V4.1's);"
+                          " set model.vision.train=frozen")  # fmt: skip
+    if cfg.model.pretrained is None:
+        raise ConfigError(f"{where} trains the release's image encoder: set model.pretrained to "
+                          "a DeepSeek-V4.1 release with a vision tower")  # fmt: skip
+    over = {k: v for k, v in {"pp": sizes.pp, "cp": sizes.cp}.items() if v > 1}
+    if over:
+        named = ", ".join(f"parallel.{k}={v}" for k, v in over.items())
+        raise ConfigError(
+            f"{where}: rows with images train on one process or data parallel "
+            f"for now ({named}); set those to 1 or model.vision.train=frozen"
+        )
 
 
 def draft_overrides(cfg: RunConfig) -> dict[str, Any]:
@@ -527,6 +557,7 @@ def resolve_run(cfg: RunConfig, world: int | None = None, *, geometry: bool = Fa
                 cfg.model, draft=type(cfg.model.draft)())), geometry=geometry)  # fmt: skip
         check_draft(cfg, sizes, family, release)
     check_quant_aware(cfg)
+    check_vision(cfg, sizes, model_family(cfg))
     model = model_config(cfg, geometry=geometry)
     check_vocabulary(cfg, model)
     _say_what_model(cfg, model)

@@ -229,6 +229,22 @@ class DraftConfig:
 
 
 @dataclass(kw_only=True)
+class VisionConfig:
+    """Which parts of DeepSeek-V4.1's image encoder a run with images trains."""
+
+    train: Literal["frozen", "aligner", "all"] = "frozen"
+    """`frozen` (the default): the release's encoder fills the image spans as released and only
+    the language model learns; it holds no gradients or optimizer state, is in no checkpoint,
+    and an export carries its tensors byte for byte. The released tower was trained on far more
+    pictures than a fine-tuning corpus holds, and training it on a few thousand forgets that
+    while its ~0.5B parameters (9 ViT patches per image token) cost gradients, optimizer state
+    and activations. `aligner`: the aligner and the span vectors (the bridge into the language
+    model, the part LLaVA-style recipes adapt first) train as parameters of the model,
+    checkpointed and exported in BF16 as released; the tower stays frozen. `all`: the tower
+    trains too."""
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     """Which model to build."""
 
@@ -268,6 +284,8 @@ class ModelConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     """DeepSeek-V4.1's DSpark drafter: carried (off), trained with the fine-tune (joint) or
     alone on a frozen backbone (only)."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """DeepSeek-V4.1's image encoder: frozen (default), or its aligner (and tower) trained."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA fine-tuning (model.lora.rank > 0): adapters on the named modules, the base frozen;
     only adapters get gradients, optimizer state and checkpoint bytes."""
@@ -290,6 +308,12 @@ class ModelConfig:
             f"true with model.lora.rank={self.lora.rank}: LoRA freezes the base, Engram tables "
             "included; train adapters (model.lora.targets may name engram.wkv) or the tables, "
             "not both",
+        )
+        _require(
+            self.vision.train == "frozen" or self.lora.rank == 0,
+            "model.vision.train",
+            f"{self.vision.train} with model.lora.rank={self.lora.rank}: LoRA freezes the base, "
+            "the image encoder included; train adapters or the encoder's parts, not both",
         )
         _require(
             self.draft.train == "off" or self.lora.rank == 0,

@@ -29,7 +29,12 @@ import torch
 
 from primus_v4.checkpoint_formats.sharded import ExportDtype, WriteSummary, tokenizer_files
 from primus_v4.config import RunConfig, load_config
-from primus_v4.config.resolve import draft_overrides, model_config, tokenizer_of
+from primus_v4.config.resolve import (
+    draft_overrides,
+    model_config,
+    tokenizer_of,
+    vision_overrides,
+)
 from primus_v4.data.tokenizer import resolve_tokenizer_dir
 from primus_v4.errors import CheckpointError, ConfigError, describe_os_error
 from primus_v4.export import peft
@@ -157,7 +162,8 @@ def model_config_of(source: ExportSource) -> Any:
     if stored.is_file():
         release = release_spec(stored).release
         return release.config_from_json(json.loads(stored.read_text()), source=str(stored),
-                                        **draft_overrides(source.run))  # fmt: skip
+                                        **draft_overrides(source.run),
+                                        **vision_overrides(source.run))  # fmt: skip
     return model_config(source.run)
 
 

@@ -74,11 +74,15 @@ def build_corpus(run: ResolvedRun) -> Corpus:
     return corpus
 
 
-def check_images(corpus: Corpus, run: ResolvedRun, where: str) -> None:
+def check_images(corpus: Corpus, run: ResolvedRun, where: str, *, training: bool = True) -> None:
     """Packs with images train on one process or data parallel, from a release with a vision
     tower (its image encoder fills the spans): anything else is one line, before the model is
     built."""
     images = corpus.stats.get("images", 0)
+    train = run.cfg.model.vision.train
+    if not images and train != "frozen" and training:
+        raise DataError(f"data {where}: its packs hold no images, so model.vision.train={train} "
+                        "has nothing to train; set model.vision.train=frozen")  # fmt: skip
     if not images:
         return
     cfg, what = run.cfg, f"data {where}: its packs hold {images} images"
@@ -227,7 +231,7 @@ class Trainer:
             return None
         if corpus is None:
             corpus = build_or_load(self.run.eval_data)
-            check_images(corpus, self.run, self.run.eval_data.describe())
+            check_images(corpus, self.run, self.run.eval_data.describe(), training=False)
         self._attach_images(corpus)
         return Evaluator(
             corpus,
@@ -277,10 +281,10 @@ class Trainer:
         if not corpus.stats.get("images") or self._images_attached:
             return
         assert self.spec.attach_images is not None and self.cfg.model.pretrained is not None
-        self.spec.attach_images(self.model, self.cfg.model.pretrained, device=self.runtime.device)
+        how = self.spec.attach_images(self.model, self.cfg.model.pretrained,
+                                      device=self.runtime.device)  # fmt: skip
         self._images_attached = True
-        log.info("image encoder: the vision tower and aligner of %s (frozen)",
-                 self.cfg.model.pretrained)  # fmt: skip
+        log.info("image encoder of %s: %s", self.cfg.model.pretrained, how)
 
     def _quant_aware(self) -> Any:
         """train.quant_aware=release: the rank's weights the release stores FP8 / FP4, each

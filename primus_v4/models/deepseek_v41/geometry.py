@@ -19,6 +19,7 @@ from primus_v4.models.deepseek_v4.geometry import PRESET_DIR, DeepseekV4Fields, 
 from primus_v4.models.model_spec import GeometrySpec
 
 LAYER_KINDS = {0: "window", 2: "ratio2", 1: "ratio1"}
+VISION_TRAIN = ("frozen", "aligner", "all")
 
 
 @dataclass(kw_only=True)
@@ -95,6 +96,15 @@ class DeepseekV41Fields(DeepseekV4Fields):
     """Weight of the confidence head's binary cross entropy against greedy acceptance."""
     dspark_decay: float = 1.0
     """Slot i of a block weighs decay**i (later slots count less below 1)."""
+    vision_config: dict[str, Any] | None = None
+    """The release's `vision_config` (beside `text_config` in its config.json): the sizes of its
+    image encoder (models/deepseek_v41/vision.py); None for a release without one."""
+    vision_train: str = "frozen"
+    """Which parts of the image encoder a run trains (the run's `model.vision.train`): `frozen`
+    (none: the encoder is attached outside the model, in no checkpoint, its tensors carried by
+    an export), `aligner` (the aligner and the span vectors are parameters of the model, loaded
+    from the release, trained, checkpointed and exported in BF16; the tower stays frozen) or
+    `all` (the ViT too). A training field: never in config.json."""
     activation_fake_quant: bool = False
     """Simulate the release's inference activation quantization (window KV FP8 per 32 values,
     compressed KV FP4 per 16 with e4m3 scales, indexer q/k FP4 per 32; straight-through
@@ -133,6 +143,7 @@ class DeepseekV41Fields(DeepseekV4Fields):
         self._validate_candidates()
         self._validate_engram()
         self._validate_dspark()
+        self._validate_vision()
         if self.activation_fake_quant and (self.kv_channels % 32 or self.index_head_dim % 32):
             raise ConfigError(
                 "activation_fake_quant quantizes KV and index vectors in blocks of 32: "
@@ -148,6 +159,16 @@ class DeepseekV41Fields(DeepseekV4Fields):
             raise ConfigError(f"candidate_source_layer_id {c} must be an index source layer")
         if self.candidate_topk_blocks < 1 or self.candidate_block_size < 1:
             raise ConfigError("candidate_topk_blocks and candidate_block_size must be >= 1")
+
+    def _validate_vision(self) -> None:
+        if self.vision_train not in VISION_TRAIN:
+            raise ConfigError(f"vision_train must be one of {', '.join(VISION_TRAIN)}, got "
+                              f"{self.vision_train!r}")  # fmt: skip
+        if self.vision_train != "frozen" and not self.vision_config:
+            raise ConfigError(
+                f"vision_train {self.vision_train!r}: the model has no image encoder (no "
+                "vision_config: a release's config.json holds it beside text_config)"
+            )
 
     def _validate_dspark(self) -> None:
         if self.dspark_train not in ("off", "joint", "only"):

@@ -42,6 +42,7 @@ from primus_v4.models.deepseek_v41.dspark_objective import (
     slot_targets,
 )
 from primus_v4.models.deepseek_v41.engram import EngramHash
+from primus_v4.models.deepseek_v41.vision import SPAN_VECTORS, Aligner, VisionTower, vision_sizes
 
 
 class EngramRows(nn.Module):
@@ -161,9 +162,18 @@ class DeepseekV41Model(DeepseekV4Model):
                 dev = router.bias.device
                 zeros = torch.zeros(router.num_experts, dtype=torch.float32, device=dev)
                 router.register_buffer("bias_vl", zeros, persistent=False)
-        # the release's image encoder (vision.py), set by `set_image_encoder`; held outside the
-        # module tree for now (frozen: not a parameter, not in checkpoints or exports)
+        # the release's image encoder (vision.py): the parts a run trains (`vision_train`) are
+        # parameters under the release's names (`vision.*`, `aligner.*`, `image_*`), loaded,
+        # checkpointed and exported as any other; the frozen rest is attached by
+        # `set_image_encoder`, outside the module tree (not a parameter, in no checkpoint)
         self.__dict__["image_encoder"] = None
+        if cfg.vision_train != "frozen":
+            sizes = vision_sizes(cfg)
+            if cfg.vision_train == "all":
+                self.vision = VisionTower(sizes)
+            self.aligner = Aligner(sizes)
+            for name in SPAN_VECTORS:
+                self.register_parameter(name, nn.Parameter(torch.zeros(d)))
         if not self.embedding.weight.is_meta:
             self.init_weights(seed)
         if cfg.dspark_train == "joint":  # its gradients never scale the backbone's in a clip
@@ -174,27 +184,53 @@ class DeepseekV41Model(DeepseekV4Model):
             self.checkpoint_prefixes = ("dspark.",)
 
     def set_image_encoder(self, encoder: nn.Module | None) -> None:
-        """The image encoder (`vision.ImageEncoder`, e.g. `load_image_encoder(release)`) whose
-        embeddings fill a row's image spans; frozen (its parameters do not train)."""
+        """The image encoder's frozen parts (a `vision.ImageEncoder`, e.g.
+        `load_image_encoder(release)`, or with `vision_train: aligner` its `VisionTower`): with
+        the parts the model trains they fill a row's image spans. Frozen: its parameters do not
+        train; a part the model holds itself is used in its place."""
         if encoder is not None:
             encoder.requires_grad_(False)
         self.__dict__["image_encoder"] = encoder
+
+    def _image_part(self, name: str) -> nn.Module | torch.Tensor | None:
+        """`vision`, `aligner` or a span vector: the model's own (trained) or the attached."""
+        own = self._modules.get(name)
+        own = self._parameters.get(name) if own is None else own
+        if own is not None:
+            return own
+        attached = self.__dict__["image_encoder"]
+        if attached is None:
+            return None
+        if isinstance(attached, VisionTower):
+            return attached if name == "vision" else None
+        return getattr(attached, name)
+
+    def encode_image(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """patches [h * w, 3, p, p] of one image (`primus_v4.image_patches`) and its ViT grid
+        (h, w) -> [cells, hidden]: the aligner's output, one row per IMAGE position of its span.
+        A frozen part runs without gradients."""
+        tower, aligner = self._image_part("vision"), self._image_part("aligner")
+        if tower is None or aligner is None:
+            raise ConfigError(
+                "token_types mark image positions but the model has no image encoder "
+                "(set_image_encoder, from a release with a vision tower)"
+            )
+        grid = (int(grid[0]), int(grid[1]))
+        frozen = not any(p.requires_grad for p in tower.parameters())
+        with torch.no_grad() if frozen else contextlib.nullcontext():
+            x_NC = tower(patches.to(next(tower.parameters()).device), grid)
+        frozen = not any(p.requires_grad for p in aligner.parameters())
+        with torch.no_grad() if frozen else contextlib.nullcontext():
+            return aligner(x_NC.to(next(aligner.parameters()).dtype), grid)
 
     def _merge_images(
         self, x_TD: torch.Tensor, types_T: torch.Tensor, images: list | None
     ) -> torch.Tensor:
         """The embeddings of a row with image spans: each IMAGE cell the next row of the
         images' embeddings (in span order), each span delimiter its learned vector."""
-        encoder = self.__dict__["image_encoder"]
-        if encoder is None:
-            raise ConfigError(
-                "token_types mark image positions but the model has no image encoder "
-                "(set_image_encoder, from a release with a vision tower)"
-            )
         images = list(images or [])
         cells_T = types_T == IMAGE
-        with torch.no_grad():
-            cells = [encoder.encode_image(p.to(x_TD.device), tuple(g)) for p, g in images]
+        cells = [self.encode_image(p, g) for p, g in images]
         n = sum(c.shape[0] for c in cells)
         if n != int(cells_T.sum()):
             raise ValueError(f"token_types mark {int(cells_T.sum())} image cells but the "
@@ -202,7 +238,11 @@ class DeepseekV41Model(DeepseekV4Model):
         x_TD = x_TD.index_put((cells_T.nonzero().flatten(),), torch.cat(cells).to(x_TD.dtype))
         for kind, name in ((IMAGE_START, "image_start"), (IMAGE_NEW_LINE, "image_newline"),
                            (IMAGE_END, "image_end")):  # fmt: skip
-            vec = getattr(encoder, name).to(device=x_TD.device, dtype=x_TD.dtype)
+            vec = self._image_part(name)
+            if vec is None:
+                raise ConfigError(f"token_types mark image positions but the model has no "
+                                  f"{name} (set_image_encoder)")  # fmt: skip
+            vec = vec.to(device=x_TD.device, dtype=x_TD.dtype)
             x_TD = torch.where((types_T == kind)[:, None], vec, x_TD)
         return x_TD
 

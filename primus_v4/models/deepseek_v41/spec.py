@@ -29,11 +29,14 @@ from primus_v4.models.model_spec import MemoryTerms, ModelSpec, ReleaseFormat
 
 
 def _config_json(cfg: DeepseekV41Config) -> dict[str, Any]:
-    return {
+    out = {
         "architectures": ["DeepseekV41ForCausalLM"],
         "model_type": "deepseek_v41",
         "text_config": config_json.config_to_release(cfg),
     }
+    if cfg.vision_config is not None:  # the image encoder's sizes, as the release gives them
+        out["vision_config"] = cfg.vision_config
+    return out
 
 
 def _step_hooks(modules: Any, section: Any, *, group: Any = None) -> list[Any]:
@@ -44,13 +47,23 @@ def _step_hooks(modules: Any, section: Any, *, group: Any = None) -> list[Any]:
     return v4._step_hooks(modules, section, group=group)
 
 
-def _attach_images(module: Any, release: Any, *, device: Any) -> None:
-    """The release's image encoder (vision tower, aligner, span vectors; frozen, float32) on
-    the backbone, whose forward then fills image spans (`DeepseekV41Model.set_image_encoder`)."""
+def _attach_images(module: Any, release: Any, *, device: Any) -> str:
+    """The release's image encoder's frozen parts (vision tower, aligner, span vectors, less
+    those the model trains itself: `vision_train`) on the backbone, in the model's dtype; its
+    forward then fills image spans (`DeepseekV41Model.set_image_encoder`). Returns what trains
+    and what is frozen, in words."""
     from primus_v4.models.deepseek_v41.vision import load_image_encoder
 
     target = getattr(module, "module", module)  # a wrapper's inner model
-    target.set_image_encoder(load_image_encoder(release).to(device))
+    train, dtype = target.cfg.vision_train, target.embedding.weight.dtype
+    if train == "all":
+        return "the vision tower, aligner and span vectors train (model.vision.train=all)"
+    encoder = load_image_encoder(release, dtype=dtype, tower_only=train == "aligner")
+    target.set_image_encoder(encoder.to(device))
+    if train == "aligner":
+        return (f"the aligner and span vectors train; the vision tower is frozen ({dtype}; "
+                "model.vision.train=aligner)")  # fmt: skip
+    return f"the vision tower, aligner and span vectors are frozen ({dtype})"
 
 
 SPEC = ModelSpec(

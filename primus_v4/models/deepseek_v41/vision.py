@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,9 @@ class VisionSizes:
 
 
 class _Norm(nn.Module):
+    # a drawn init (weight_init.py) starts it at one
+    constant_params: ClassVar[dict[str, float]] = {"weight": 1.0}
+
     def __init__(self, width: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
@@ -201,11 +204,32 @@ class ImageEncoder(nn.Module):
         return self.aligner(self.vision(patches, grid), grid)
 
 
+def vision_sizes(cfg: Any) -> VisionSizes:
+    """The encoder's sizes of a DeepseekV41Config (its release's `vision_config`)."""
+    if not cfg.vision_config:
+        raise CheckpointFormatError("the model config has no vision_config: no image encoder")
+    return VisionSizes.of({"vision_config": cfg.vision_config,
+                           "text_config": {"hidden_size": cfg.hidden_size}})  # fmt: skip
+
+
+def vision_tensors(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """{release name: shape} of the image encoder's parts a run trains (`vision_train`): the
+    aligner and span vectors, and with `all` the tower (empty when frozen)."""
+    if cfg.vision_train == "frozen":
+        return {}
+    with torch.device("meta"):
+        encoder = ImageEncoder(vision_sizes(cfg))
+    tower = cfg.vision_train == "all"
+    return {name: tuple(t.shape) for name, t in encoder.state_dict().items()
+            if tower or not name.startswith("vision.")}  # fmt: skip
+
+
 def load_image_encoder(
-    directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32
-) -> ImageEncoder:
+    directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, tower_only: bool = False
+) -> ImageEncoder | VisionTower:
     """The image encoder of a V4.1 release (its config.json and bf16 `vision.*`, `aligner.*`,
-    span-vector tensors), in `dtype`; a missing or misshapen tensor is named."""
+    span-vector tensors), in `dtype`; with `tower_only` its ViT alone (`vision.*`). A missing or
+    misshapen tensor is named."""
     import json
     from pathlib import Path
 
@@ -215,10 +239,12 @@ def load_image_encoder(
     if "vision_config" not in config:
         raise CheckpointFormatError(f"{directory}: config.json has no vision_config: this "
                                     "release has no image encoder")  # fmt: skip
-    encoder = ImageEncoder(VisionSizes.of(config)).to(dtype)
+    sizes = VisionSizes.of(config)
+    encoder = (VisionTower(sizes) if tower_only else ImageEncoder(sizes)).to(dtype)
+    prefix = "vision." if tower_only else ""
     with CheckpointReader(directory) as reader:
         stored = set(reader.names())
-        state = encoder.state_dict()
+        state = {prefix + name: t for name, t in encoder.state_dict().items()}
         missing = sorted(set(state) - stored)
         if missing:
             more = " ..." if len(missing) > 6 else ""

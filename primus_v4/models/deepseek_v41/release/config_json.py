@@ -199,6 +199,10 @@ def fields_from_release(d: dict[str, Any], *, source: str = "config.json") -> di
                 )
         elif key not in PASSED:
             raise CheckpointFormatError(f"{source}: unknown text_config key {key!r}")
+    if text is not d and "vision_config" in d:  # the image encoder's sizes (vision.py)
+        if not isinstance(d["vision_config"], dict):
+            raise CheckpointFormatError(f"{source}: vision_config must be an object")
+        values["vision_config"] = d["vision_config"]
     values["moe_shared_expert_intermediate_size"] = values.get("moe_ffn_hidden_size")
     values.setdefault("num_query_groups", 1)
     return values

@@ -33,6 +33,7 @@ import torch
 
 from primus_v4.models.deepseek_v41.config import DeepseekV41Config
 from primus_v4.models.deepseek_v41.release.tensors import read_decoded
+from primus_v4.models.deepseek_v41.vision import vision_tensors
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,6 +223,8 @@ def name_table(cfg: DeepseekV41Config, *, drafter: bool | None = None) -> dict[s
     if drafter:
         for stage in range(cfg.dspark_stages):
             entries += _dspark_stage(cfg, stage)
+    # the image encoder's parts a run trains (`vision_train`), under the release's own names
+    entries += [_e(name, name, shape, "bf16") for name, shape in vision_tensors(cfg).items()]
     return {e.ours: e for e in entries}
 
 

@@ -64,6 +64,7 @@ KINDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (rf"{_L}attn\.attn_sink", "fp32"),
         (rf"{_L}hc_(attn|ffn)_(fn|base|scale)", "fp32"),
         (rf"{_L}ffn\.gate\.(bias|bias_vl)", "fp32"),
+        (r"(vision|aligner)\..*|image_(start|newline|end)", "bf16"),
         (r"mtp\.\d+\.main_proj\.weight", "fp8"),
         (r"mtp\.\d+\.(main_norm|norm)\.weight", "bf16"),
         (r"mtp\.\d+\.(markov_head\.(embed|head)|confidence_head\.proj)\.weight", "bf16"),

@@ -1,0 +1,144 @@
+"""`model.vision.train`: which parts of DeepSeek-V4.1's image encoder a run with images trains.
+
+`frozen` (default) attaches the whole encoder outside the model; `aligner` makes the aligner and
+the span vectors parameters of the model (the tower attached, frozen); `all` the tower too. The
+trained parts load from the release, train, are checkpointed (a resumed run is the
+uninterrupted one, bit for bit) and are exported in BF16 under the release's names; the frozen
+ones are carried byte for byte."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from image_corpus import RELEASE, GoldenImageCorpus, image_run
+from safetensors import safe_open
+from threads import one_thread  # noqa: F401 (the fixture)
+from train_fakes import FakeCorpus
+
+from primus_v4.config import load_config, resolve_run
+from primus_v4.errors import ConfigError, DataError
+from primus_v4.export.run import export_checkpoint, find_source
+from primus_v4.models.deepseek_v41.vision import VisionTower, load_image_encoder
+from primus_v4.training.checkpoint.store import LATEST, step_dir
+from primus_v4.training.trainer import Trainer, check_images
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+IMAGE_PARTS = ("vision.", "aligner.", "image_")
+
+
+def _run(tmp: Path, train: str, *extra: str):
+    return image_run(tmp, f"model.vision.train={train}", "train.lr=1e-3", *extra)
+
+
+def _trained(trainer: Trainer) -> list[str]:
+    return sorted(n for n, p in trainer.model.named_parameters()
+                  if p.requires_grad and n.startswith(IMAGE_PARTS))  # fmt: skip
+
+
+def test_each_choice_trains_its_parts_from_the_release(tmp_path: Path) -> None:
+    released = load_image_encoder(RELEASE).state_dict()
+    aligner_parts = sorted(n for n in released if not n.startswith("vision."))
+    first = {}
+    for train, parts in {"frozen": [], "aligner": aligner_parts, "all": sorted(released)}.items():
+        trainer = Trainer(_run(tmp_path / train, train, "train.steps=2"),
+                          corpus=GoldenImageCorpus())  # fmt: skip
+        assert _trained(trainer) == parts
+        own = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+               if n.startswith(IMAGE_PARTS)}  # fmt: skip
+        for name, value in own.items():  # loaded from the release, not drawn
+            assert torch.equal(value, released[name]), name
+        attached = trainer.model.__dict__["image_encoder"]
+        if train == "aligner":  # the frozen tower alone is attached
+            assert isinstance(attached, VisionTower)
+        assert (attached is None) == (train == "all")
+        if attached is not None:
+            assert not any(p.requires_grad for p in attached.parameters())
+        rows = trainer.train().rows
+        first[train] = rows[0].loss
+        for name, p in trainer.model.named_parameters():
+            if name in own:
+                assert not torch.equal(p, own[name]), f"{name} did not train"
+        if train == "aligner":
+            tower = trainer.model._image_part("vision")
+            for name, t in tower.state_dict().items():
+                assert torch.equal(t, released["vision." + name]), "the frozen tower moved"
+    print(f"step-1 losses {first}")
+    # the same forward whatever trains: the parts start as released
+    assert first["frozen"] == first["aligner"] == first["all"]
+
+
+def _tensors(release: Path, prefix: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    index = json.loads((release / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for name, file in index.items():
+        if name.startswith(prefix):
+            with safe_open(str(release / file), "pt") as f:
+                out[name] = f.get_tensor(name)
+    return out
+
+
+@pytest.mark.parametrize("train", ["aligner", "all"])
+def test_trained_parts_resume_bit_for_bit_and_export_in_bf16(tmp_path: Path, train: str) -> None:
+    def run(into: Path) -> tuple[dict, Trainer]:
+        trainer = Trainer(_run(into, train, "train.steps=2", "train.global_batch_size=1",
+                               f"checkpoint.dir={into / 'ckpt'}", "checkpoint.interval=1"),
+                          corpus=GoldenImageCorpus())  # fmt: skip
+        return {r.step: r for r in trainer.train().rows}, trainer
+
+    want, trainer = run(tmp_path / "full")
+    ckpt = tmp_path / "resumed" / "ckpt"
+    shutil.copytree(tmp_path / "full" / "ckpt", ckpt)
+    shutil.rmtree(step_dir(ckpt, 2))
+    (ckpt / LATEST).write_text(step_dir(ckpt, 1).name + "\n")
+    got, resumed = run(tmp_path / "resumed")
+    assert list(got) == [2]
+    assert (got[2].loss, got[2].grad_norm) == (want[2].loss, want[2].grad_norm)
+    trained = {n: p.detach() for n, p in trainer.model.named_parameters()
+               if n.startswith(IMAGE_PARTS)}  # fmt: skip
+    for name, p in resumed.model.named_parameters():
+        if name in trained:
+            assert torch.equal(p, trained[name]), f"{name}: the checkpoint did not restore it"
+
+    out = tmp_path / "export"
+    export_checkpoint(find_source(tmp_path / "full" / "ckpt"), out)
+    released, exported = _tensors(RELEASE, IMAGE_PARTS), _tensors(out, IMAGE_PARTS)
+    assert sorted(exported) == sorted(released)
+    for name, t in exported.items():
+        assert t.dtype == torch.bfloat16 == released[name].dtype, name
+        if name in trained:  # the trained value, in BF16 as released
+            assert torch.equal(t, trained[name].to(torch.bfloat16)), name
+            if t.dim() == 2:  # small moves of a norm's ~1 may round back to its BF16
+                assert not torch.equal(t, released[name]), name
+        else:  # frozen: the release's bytes
+            assert torch.equal(t.view(torch.int16), released[name].view(torch.int16)), name
+    config = json.loads((out / "config.json").read_text())
+    source = json.loads((RELEASE / "config.json").read_text())
+    assert config["vision_config"] == source["vision_config"]
+    assert config["image_token_id"] == source["image_token_id"]
+
+
+def test_choices_that_cannot_train_stop_in_one_line(tmp_path: Path) -> None:
+    cases = {
+        ("model.vision.train=aligner", "model.preset=tiny"):
+            "the deepseek_v4 family has no image encoder",
+        ("model.vision.train=all", "model.preset=tiny_v41"):
+            "trains the release's image encoder: set model.pretrained",
+        ("model.vision.train=aligner", "model.preset=null", f"model.pretrained={RELEASE}",
+         "parallel.pp=2"):
+            r"one process or data parallel for now \(parallel\.pp=2\)",
+    }  # fmt: skip
+    for items, words in cases.items():
+        with pytest.raises(ConfigError, match=words):
+            resolve_run(load_config(overrides=[*items, "train.global_batch_size=2"]), world=2)
+    with pytest.raises(ConfigError, match=r"model\.vision\.train.*LoRA freezes the base"):
+        load_config(overrides=["model.vision.train=aligner", "model.lora.rank=4"])
+    with pytest.raises(ConfigError, match=r"model\.vision\.train"):
+        load_config(overrides=["model.vision.train=tower"])
+    run = _run(tmp_path, "aligner")
+    with pytest.raises(DataError, match=r"hold no images, so model\.vision\.train=aligner"):
+        check_images(FakeCorpus([[100]]), run, "text.jsonl")
+    check_images(FakeCorpus([[100]]), run, "eval.jsonl", training=False)  # held-out text: fine
