@@ -189,14 +189,17 @@ def load_pretrained(
     keep_release: bool = False,
     token_map: torch.Tensor | None = None,
     drafter: bool = False,
+    vision: str = "frozen",
 ) -> DeepseekV41Model:
     """The whole V4.1 text model of a release directory, every parameter decoded into `dtype`.
 
     token_map: the Engram token map ([vocab] int64); default: the one of the release's own
     tokenizer (`engram_vocab.token_map_of`, checked against the config's compressed size).
     keep_release: the FP8 / FP4 weights kept as stored, decoded per use (release/kept_base.py).
-    drafter: the release's DSpark draft stages (`mtp.*`) too, as `model.dspark` (dspark.py)."""
-    cfg = read_config(path)
+    drafter: the release's DSpark draft stages (`mtp.*`) too, as `model.dspark` (dspark.py).
+    vision: the image encoder's parts held (and trainable) as parameters of the model
+    (`vision_train`: `aligner`, `all`); the frozen rest is attached by `set_image_encoder`."""
+    cfg = read_config(path, **({} if vision == "frozen" else {"vision_train": vision}))
     with torch.device("meta"):
         model = DeepseekV41Model(cfg, drafter=drafter)
     model.to(dtype)  # still on meta: nothing is allocated twice

@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 from primus_v4 import image_patches
 from primus_v4.errors import CheckpointFormatError
+from primus_v4.models.deepseek_v41.release.load import load_pretrained
+from primus_v4.models.deepseek_v41.spec import SPEC
 from primus_v4.models.deepseek_v41.vision import cells_of, load_image_encoder
 
 GOLDEN = Path(__file__).resolve().parents[3] / "fixtures/dsv41_vision_golden"
@@ -51,6 +53,39 @@ def test_vit_outputs_and_image_embeddings_equal_the_official_code(golden, capsys
     print(f"image encoder vs the official code, max |difference|: {worst}")
     assert all(v <= ATOL for v in worst.values()), worst
     assert encoder.image_start.abs().sum() > 0  # the span vectors are the release's
+
+
+@pytest.mark.parametrize("vision", ["frozen", "aligner", "all"])
+def test_the_model_s_encode_image_equals_the_official_code_and_trains_its_parts(
+    golden, vision: str
+) -> None:
+    """`model.encode_image` with the parts each `vision_train` holds in the model (loaded from
+    the release) and the rest attached as the trainer attaches them: the golden embeddings, and
+    gradients reach exactly the trained parts."""
+    torch.set_num_threads(1)
+    model = load_pretrained(GOLDEN / "checkpoint", progress=False, vision=vision)
+    SPEC.attach_images(model, GOLDEN / "checkpoint", device="cpu")
+    manifest = json.loads((GOLDEN / "manifest.json").read_text())
+    worst = 0.0
+    for doc in manifest["docs"]:
+        for k, image in enumerate(doc["images"]):
+            key = f"doc{doc['doc']}.img{k}"
+            embeds = model.encode_image(golden[f"{key}.patches"], tuple(image["vit_grid_hw"]))
+            worst = max(worst, float((embeds - golden[f"{key}.embeds"]).abs().max()))
+            assert embeds.requires_grad == (vision != "frozen")
+            if embeds.requires_grad:
+                embeds.square().sum().backward()
+    print(f"model.encode_image (vision_train={vision}) vs the official code: {worst}")
+    assert worst <= ATOL
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    want = {"frozen": set(), "aligner": {"aligner.w1.weight", "aligner.w1.bias",
+                                         "aligner.w2.weight", "aligner.w2.bias"}}  # fmt: skip
+    if vision == "all":
+        assert {n for n in grads if n.startswith("vision.")} and "aligner.w1.weight" in grads
+    else:
+        assert grads == want[vision]
+    attached = model.__dict__["image_encoder"]
+    assert attached is None or all(p.grad is None for p in attached.parameters())
 
 
 def test_a_release_without_a_tower_or_a_tensor_is_named(tmp_path: Path) -> None:
