@@ -421,16 +421,28 @@ def recompute_note(cfg: Any, layers: list[int | None], *, seq: int) -> str:
 
 
 def _image_rows(plan: MemoryPlan, run: Any) -> None:
-    """A release with a vision tower: its frozen image encoder on every rank (loaded when the
-    packs hold images; counted always, the worst case) and the encoding of the largest image."""
-    terms = spec_of(run.model).memory.image_encoder(run.cfg.model.pretrained, b=4)  # float32
+    """A release with a vision tower: its frozen parts on every rank, in the model's dtype
+    (loaded when the packs hold images; counted always, the worst case), the encoding of the
+    largest image through a frozen tower, and what the trained parts save for backward (a row
+    all image tokens, the worst case). The trained parts' weights, gradients and optimizer state
+    are the model's own parameters, counted above."""
+    train, b = run.cfg.model.vision.train, _dtype_bytes(run)
+    terms = spec_of(run.model).memory.image_encoder(run.cfg.model.pretrained, b=b, train=train)
     if terms is None:
         return
-    params, transient = terms
-    plan.add("image encoder (frozen; used when the packs hold images)", params * 4)
-    plan.add("encoding the largest image (no gradient)", transient, phase="backward")
-    plan.notes.append(f"image encoder: {params / 1e6:.1f}M parameters held in float32, counted "
-                      "even for a corpus without images")  # fmt: skip
+    if terms.frozen_params:
+        what = "frozen" if train == "frozen" else "frozen tower"
+        plan.add(f"image encoder ({what}; used when the packs hold images)",
+                 terms.frozen_params * b)  # fmt: skip
+    if terms.transient:
+        plan.add("encoding the largest image (no gradient)", terms.transient, phase="backward")
+    if terms.saved_per_token:
+        tokens = run.cfg.data.seq_length // run.sizes.cp
+        plan.add(f"image encoder activations ({train} trains; a row of {tokens} image tokens)",
+                 terms.saved_per_token * tokens + terms.saved_scores, phase="backward")  # fmt: skip
+    plan.notes.append(f"image encoder: {terms.frozen_params / 1e6:.1f}M frozen parameters held in "
+                      f"{run.cfg.model.dtype} (model.vision.train={train}), counted even for a "
+                      "corpus without images")  # fmt: skip
 
 
 def plan_memory(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:  # torch-free at import: config validation reads the registry
     from torch import nn
@@ -82,11 +82,27 @@ class MemoryTerms:
     stage_rows: Callable[..., list[tuple[str, float]]] = lambda cfg, layers, **kw: []
     """(model config, the stage's decoder layers, *, seq, t, held) -> (name, bytes) of what a
     stage holds in the backward phase besides its layers' saved sets (shared caches, ...)."""
-    image_encoder: Callable[..., tuple[int, float] | None] = lambda release, *, b: None
-    """(release directory, *, b bytes per value) -> (the image encoder's parameters, the
-    transient bytes of encoding the largest image the release plans), None without a vision
-    tower: what a run on packs with images adds (the encoder is frozen: no gradient, no
-    optimizer state)."""
+    image_encoder: Callable[..., ImageEncoderTerms | None] = lambda release, **kw: None
+    """(release directory, *, b bytes per value, train: the run's `model.vision.train`) -> what
+    a run on packs with images adds besides the parameters the model holds (`ImageEncoderTerms`),
+    None without a vision tower."""
+
+
+class ImageEncoderTerms(NamedTuple):
+    """The image encoder's terms of the memory plan; the parts a run trains are parameters of
+    the model, counted with its own (weights, gradients, optimizer state)."""
+
+    frozen_params: int
+    """Parameters of the frozen parts, attached beside the model (weights only)."""
+    transient: float
+    """Bytes of encoding the largest image the release plans through a frozen tower (no
+    gradient: one block's activations and the attention scores at a time)."""
+    saved_per_token: float
+    """Bytes the trained parts save for backward per image token of a row (the aligner's
+    inputs and outputs; with the tower, every block's activations of its 9 patches)."""
+    saved_scores: float
+    """Bytes of the trained tower's attention probabilities saved for backward for the largest
+    image (heads x patches^2 per block, float32: the math kernel's worst case); 0 frozen."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -140,12 +140,19 @@ def stage_rows(
     return out
 
 
-def image_encoder_bytes(release: Any, *, b: int) -> tuple[int, float] | None:
-    """(parameters, transient bytes of the largest image) of the release's image encoder, None
-    without a vision tower. The largest image fills `max_image_tokens`: one LLM cell per 3 x 3
-    ViT patches, so at most (max_image_tokens - 2) x 9 patches; encoding one (no gradient) holds
-    a block's activations (4 x width + 2 x ffn values per patch, with the fused qkv and w1) and
-    the attention scores of each head (patches^2, float32, the math kernel's worst case)."""
+def image_encoder_bytes(release: Any, *, b: int, train: str = "frozen") -> Any:
+    """The image encoder's `ImageEncoderTerms` for a run whose `model.vision.train` is `train`,
+    None without a vision tower. The largest image fills `max_image_tokens`: one LLM cell per
+    3 x 3 ViT patches, so at most (max_image_tokens - 2) x 9 patches.
+    - A frozen tower encodes it without gradient, holding one block's activations (4 x width +
+      2 x ffn values per patch, with the fused qkv and w1) and each head's patches^2 float32
+      attention scores (the math kernel's worst case).
+    - A trained aligner saves per image token its 3 x 3 cell's input (9 x width) and its two
+      outputs (2 x the language model's width).
+    - A trained tower saves per block and patch: both norms' inputs and outputs, q, k, v and
+      their rotations, the attention output (9 x width) and w1's halves, silu and product
+      (4 x ffn); 9 patches per image token; and each block's attention probabilities of the
+      largest image."""
     import json
     from pathlib import Path
 
@@ -153,6 +160,7 @@ def image_encoder_bytes(release: Any, *, b: int) -> tuple[int, float] | None:
 
     from primus_v4.data.images import ImageGrid
     from primus_v4.models.deepseek_v41.vision import ImageEncoder, VisionSizes
+    from primus_v4.models.model_spec import ImageEncoderTerms
 
     if release is None or not (Path(release) / "config.json").is_file():
         return None
@@ -161,9 +169,25 @@ def image_encoder_bytes(release: Any, *, b: int) -> tuple[int, float] | None:
         return None
     sizes = VisionSizes.of(config)
     with torch.device("meta"):
-        params = sum(p.numel() for p in ImageEncoder(sizes).parameters())
+        encoder = ImageEncoder(sizes)
+    tower = sum(p.numel() for p in encoder.vision.parameters())
+    rest = sum(p.numel() for p in encoder.parameters()) - tower
     grid = ImageGrid.of(config)
-    patches = (grid.max_image_tokens - 2) * grid.downsample_ratio**2
-    blocks = patches * (4 * sizes.width + 2 * sizes.ffn) * b
+    r2 = grid.downsample_ratio**2
+    patches = (grid.max_image_tokens - 2) * r2
     scores = sizes.heads * patches * patches * 4
-    return params, float(blocks + scores)
+    if train == "frozen":
+        return ImageEncoderTerms(frozen_params=tower + rest, saved_scores=0.0,
+                                 transient=float(patches * (4 * sizes.width + 2 * sizes.ffn) * b
+                                                 + scores),
+                                 saved_per_token=0.0)  # fmt: skip
+    aligner = (r2 * sizes.width + 2 * sizes.text_width) * b
+    if train == "aligner":
+        return ImageEncoderTerms(frozen_params=tower, saved_scores=0.0,
+                                 transient=float(patches * (4 * sizes.width + 2 * sizes.ffn) * b
+                                                 + scores),
+                                 saved_per_token=float(aligner))  # fmt: skip
+    block = (9 * sizes.width + 4 * sizes.ffn) * b
+    return ImageEncoderTerms(frozen_params=0, transient=0.0,
+                             saved_per_token=float(aligner + r2 * sizes.layers * block),
+                             saved_scores=float(sizes.layers * scores))  # fmt: skip

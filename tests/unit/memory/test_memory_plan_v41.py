@@ -142,3 +142,42 @@ def test_a_release_with_a_vision_tower_counts_its_image_encoder() -> None:
     assert got["encoding the largest image (no gradient)"] == (want, "backward")
     text = rows(fixtures / "dsv41_golden" / "checkpoint")
     assert not [name for name in text if "image" in name]
+
+
+def test_trained_image_encoder_parts_are_model_parameters_with_saved_activations() -> None:
+    """`model.vision.train`: the trained parts are counted with the model's parameters (weights,
+    gradients, masters and moments grow by exactly their size), the frozen rest beside it, and
+    what the trained parts save for backward per image token of a row (seq_length 256)."""
+    from pathlib import Path
+
+    from primus_v4.models.deepseek_v41.vision import load_image_encoder
+
+    vision = Path(__file__).resolve().parents[2] / "fixtures/dsv41_vision_golden/checkpoint"
+    encoder = load_image_encoder(vision)
+    tower = sum(p.numel() for p in encoder.vision.parameters())
+    rest = sum(p.numel() for p in encoder.parameters()) - tower
+
+    def rows(train: str) -> dict[str, float]:
+        items = ["model.preset=null", f"model.pretrained={vision}", "data.seq_length=256",
+                 f"model.vision.train={train}"]  # fmt: skip
+        [plan] = plan_memory(resolve_run(load_config(overrides=items), world=1))
+        return {name: d for name, d, _, _ in plan.rows}
+
+    frozen, aligner, every = rows("frozen"), rows("aligner"), rows("all")
+    assert frozen["image encoder (frozen; used when the packs hold images)"] == (tower + rest) * 4
+    assert aligner["image encoder (frozen tower; used when the packs hold images)"] == tower * 4
+    assert not [name for name in every if "frozen" in name]
+    for got, trained in ((aligner, rest), (every, tower + rest)):
+        assert got["weights (float32)"] - frozen["weights (float32)"] == trained * 4
+        assert (got["fp32 gradient buckets (+ reduced shard)"]
+                - frozen["fp32 gradient buckets (+ reduced shard)"]) == trained * 4  # fmt: skip
+    # width 64, ffn 96, 2 blocks, 4 heads, LM width 128; 270 patches in the largest image
+    per_token = (9 * 64 + 2 * 128) * 4
+    assert aligner["image encoder activations (aligner trains; a row of 256 image tokens)"] == (
+        per_token * 256
+    )
+    per_token += 9 * 2 * (9 * 64 + 4 * 96) * 4
+    assert every["image encoder activations (all trains; a row of 256 image tokens)"] == (
+        per_token * 256 + 2 * 4 * 270 * 270 * 4
+    )
+    assert "encoding the largest image (no gradient)" not in every
