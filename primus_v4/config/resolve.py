@@ -244,23 +244,37 @@ def _draft_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
     overrides.update(vision_overrides(cfg))
 
 
+def vision_held(cfg: RunConfig) -> tuple[str, str]:
+    """(which parts of the image encoder the model holds as its own modules: `frozen` none,
+    `aligner`, `all`; the setting that asks for them, in words): `model.vision.train`, or LoRA
+    targets on them (`model.lora.targets` vision.* / aligner.*: adapters on a frozen base)."""
+    lora = cfg.model.lora
+    targets = [t for t in lora.targets if t.startswith(("vision.", "aligner."))]
+    targets = targets if lora.rank else []
+    if targets:
+        held = "all" if any(t.startswith("vision.") for t in targets) else "aligner"
+        return held, f"model.lora.targets {targets}"
+    return cfg.model.vision.train, f"model.vision.train={cfg.model.vision.train}"
+
+
 def vision_overrides(cfg: RunConfig) -> dict[str, Any]:
-    """`model.vision.train` as the model config's `vision_train` (set only when the encoder
-    trains, so a family without one is refused by `check_vision` in words)."""
-    train = cfg.model.vision.train
-    return {} if train == "frozen" else {"vision_train": train}
+    """The image encoder's parts the model holds (`vision_held`) as the model config's
+    `vision_train` (set only when it holds any, so a family without one is refused by
+    `check_vision` in words)."""
+    held, _ = vision_held(cfg)
+    return {} if held == "frozen" else {"vision_train": held}
 
 
 def check_vision(cfg: RunConfig, sizes: ParallelDims, family: str) -> None:
-    """`model.vision.train` aligner / all: DeepSeek-V4.1 from a release (whose encoder the run
-    trains), one pipeline stage and context rank (as rows with images); data parallel works."""
-    train = cfg.model.vision.train
+    """`model.vision.train` aligner / all, or LoRA targets on the image encoder: DeepSeek-V4.1
+    from a release (whose encoder the run trains), one pipeline stage and context rank (as rows
+    with images); data parallel works."""
+    train, where = vision_held(cfg)
     if train == "frozen":
         return
-    where = f"model.vision.train={train}"
     if family != "deepseek_v41":
         raise ConfigError(f"{where}: the {family} family has no image encoder (DeepSeek-V4.1's);"
-                          " set model.vision.train=frozen")  # fmt: skip
+                          " leave it frozen")  # fmt: skip
     if cfg.model.pretrained is None:
         raise ConfigError(f"{where} trains the release's image encoder: set model.pretrained to "
                           "a DeepSeek-V4.1 release with a vision tower")  # fmt: skip
@@ -269,7 +283,7 @@ def check_vision(cfg: RunConfig, sizes: ParallelDims, family: str) -> None:
         named = ", ".join(f"parallel.{k}={v}" for k, v in over.items())
         raise ConfigError(
             f"{where}: rows with images train on one process or data parallel "
-            f"for now ({named}); set those to 1 or model.vision.train=frozen"
+            f"for now ({named}); set those to 1 or leave the image encoder frozen"
         )
 
 

@@ -118,6 +118,11 @@ routed experts (w1 gate, w3 up, w2 down). The indexer has no backward (it is fro
 LORA_ENGRAM_TARGETS = ("engram.wkv",)
 """Targets of DeepSeek-V4.1 only (`layers.N.engram.wkv`: the Engram rows' key / value
 projection; off by default)."""
+LORA_VISION_TARGETS = ("vision.wqkv", "vision.wo", "vision.w1", "vision.w2", "aligner.w1",
+                       "aligner.w2")  # fmt: skip
+"""Targets of DeepSeek-V4.1's image encoder (off by default): every ViT block's fused qkv and
+output projection and MLP (`vision.blocks.N.attn.wqkv` / `wo`, `vision.blocks.N.mlp.w1` / `w2`)
+and the aligner's two linears. The runs's rows must hold images."""
 LORA_DEFAULT_TARGETS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts.w1",
                         "shared_experts.w2", "shared_experts.w3", "experts.w1", "experts.w2",
                         "experts.w3")  # fmt: skip
@@ -135,7 +140,7 @@ class LoraConfig:
     """Dropout on the adapters' input (PEFT's lora_dropout)."""
     targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
     """Which modules get adapters, by release name (LORA_TARGETS; DeepSeek-V4.1 also
-    LORA_ENGRAM_TARGETS)."""
+    LORA_ENGRAM_TARGETS and LORA_VISION_TARGETS)."""
     expert_adapters: Literal["per_expert", "shared"] = "per_expert"
     """Routed experts: one adapter per expert, or one shared by the experts of a rank."""
     base: Literal["bfloat16", "release"] = "bfloat16"
@@ -158,7 +163,7 @@ class LoraConfig:
                  f"{indexer}: the indexer only picks which compressed keys a query attends to "
                  "(a top-k, no gradient passes it), so adapters there could not learn; it stays "
                  "frozen")  # fmt: skip
-        known = LORA_TARGETS + LORA_ENGRAM_TARGETS
+        known = LORA_TARGETS + LORA_ENGRAM_TARGETS + LORA_VISION_TARGETS
         unknown = sorted(set(self.targets) - set(known))
         _require(not unknown, "model.lora.targets",
                  f"unknown {unknown}; choose from {list(known)}")  # fmt: skip

@@ -329,6 +329,13 @@ def export_adapters(
     cfg = model_config_of(source)
     stored = _stored_model_tensors(source.checkpoint)
     _check_adapters(cfg, stored, source.checkpoint)
+    vision = sorted(n for n in stored if is_adapter(n) and n.startswith(("vision.", "aligner.")))
+    if vision:  # written nowhere would be a silent drop
+        raise ExportError(
+            f"{source.checkpoint}: holds {len(vision)} adapter tensors on the image encoder "
+            f"({vision[0]}, ...), which have no PEFT layout here yet; nothing was written: "
+            "export --format release writes them merged"
+        )
     mtp = [n for n in stored if is_adapter(n) and n.startswith("mtp.")]
     routers = source.run.model.router_bias_update_rate > 0  # the run moved gate.bias
     # module names: the family's own (its release's, where transformers has no class for it),

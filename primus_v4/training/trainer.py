@@ -35,7 +35,7 @@ from torch import nn
 
 from primus_v4.checkpoint_formats.read_record import ReadRecord, recording_reads
 from primus_v4.config import ResolvedRun, write_resolved
-from primus_v4.config.resolve import check_pretrained, train_steps
+from primus_v4.config.resolve import check_pretrained, train_steps, vision_held
 from primus_v4.data.pipeline import build_or_load
 from primus_v4.data.stats_table import summary_table
 from primus_v4.data.thd import ThdBatch
@@ -79,10 +79,10 @@ def check_images(corpus: Corpus, run: ResolvedRun, where: str, *, training: bool
     tower (its image encoder fills the spans): anything else is one line, before the model is
     built."""
     images = corpus.stats.get("images", 0)
-    train = run.cfg.model.vision.train
-    if not images and train != "frozen" and training:
-        raise DataError(f"data {where}: its packs hold no images, so model.vision.train={train} "
-                        "has nothing to train; set model.vision.train=frozen")  # fmt: skip
+    held, asked = vision_held(run.cfg)
+    if not images and held != "frozen" and training:
+        raise DataError(f"data {where}: its packs hold no images, so {asked} has nothing to "
+                        "train; leave the image encoder frozen")  # fmt: skip
     if not images:
         return
     cfg, what = run.cfg, f"data {where}: its packs hold {images} images"

@@ -89,7 +89,8 @@ class _Adapter(nn.Module):
 
 
 class LoRALinear(nn.Linear):
-    """nn.Linear (no bias) whose frozen `weight` gains s B_k A_k x on output spans k."""
+    """nn.Linear whose frozen `weight` gains s B_k A_k x on output spans k (a frozen bias, as
+    the image encoder's linears have, is kept)."""
 
     adapter_params = frozenset({"lora_A", "lora_B"})
     release_rounding: dict[str, Rounding] | None = None  # set while quantization-aware
@@ -105,10 +106,9 @@ class LoRALinear(nn.Linear):
             self.source = base.source
             kw = {"device": base.source.q.device, "dtype": base.source.dtype}
         else:
-            assert base.bias is None, "release linears have no bias"
             self.weight = base.weight
             kw = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.register_parameter("bias", None)
+        self.register_parameter("bias", getattr(base, "bias", None))
         self.spans = spans  # (first output row, rows), all of one size
         size = spans[0][1]
         assert all(n == size for _, n in spans)
@@ -150,16 +150,18 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.release_rounding is not None:
-            return F.linear(x, self.served_weight().to(x.dtype))
-        y = F.linear(x, self.weight) if self.source is None else frozen_linear(x, self.source)
+            return F.linear(x, self.served_weight().to(x.dtype), self.bias)
+        y = F.linear(x, self.weight, self.bias) if self.source is None \
+            else frozen_linear(x, self.source)  # fmt: skip
         return y + self._delta(x, self.lora_A, self.lora_B).view_as(y)
 
     def forward_float32(self, x32: torch.Tensor) -> torch.Tensor:
         """The same map computed in float32 whatever the weights' dtype (a float32 path such as
         the V4.1 compressor's pooling scores)."""
+        bias = None if self.bias is None else self.bias.float()
         if self.release_rounding is not None:
-            return F.linear(x32, self.served_weight())
-        y = F.linear(x32, self.base_weight().float())
+            return F.linear(x32, self.served_weight(), bias)
+        y = F.linear(x32, self.base_weight().float(), bias)
         return y + self._delta(x32, self.lora_A.float(), self.lora_B.float()).view_as(y)
 
     def _delta(self, x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.Tensor:
@@ -350,13 +352,15 @@ def apply_lora(
 ) -> int:
     """Freeze every parameter of `model` (a whole model or a rank's stage and expert shard,
     materialized) and add `spec`'s adapters to each of its `layers` (module classes with `attn`
-    and `moe`; `linear_targets` names their nn.Linear targets). Returns the adapter parameters
-    added on this rank."""
+    and `moe`, or of linears alone; `linear_targets` names their nn.Linear targets). Returns
+    the adapter parameters added on this rank."""
     for p in model.parameters():
         p.requires_grad_(False)
     kinds = sorted(EXPERT_TARGETS[t] for t in spec.targets if t in EXPERT_TARGETS)
     for layer in [m for m in model.modules() if isinstance(m, layers)]:
         _adapt_linears(layer, spec, linear_targets(layer))
+        if not hasattr(layer, "moe"):  # a layer of linears alone (an image encoder's block)
+            continue
         if "wo_a" in spec.targets:
             layer.attn.wo_a_lora = GroupedLoRA(layer.attn, spec)
         if kinds:

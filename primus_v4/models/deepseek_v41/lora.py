@@ -10,6 +10,11 @@ machinery). Targets use the V4.1 release's names inside a layer (`layers.N.attn.
   ffn.shared_experts.w1 / w3 / w2     spans of the fused gate_up, and down
   ffn.experts.w1 / w3 / w2            routed experts, per expert or shared (grouped GEMMs)
   engram.wkv                          Engram layers only; off by default
+  vision.wqkv / wo / w1 / w2          every ViT block's linears (`vision.blocks.N.attn.*`,
+                                      `.mlp.*`; with bias, kept frozen); off by default
+  aligner.w1 / w2                     the aligner's linears; off by default
+A target on the image encoder makes the model hold those parts (`vision_train`), frozen as the
+rest of the base.
 The indexer (wq_b, weights_proj) and the index keys pick positions by top-k (no gradient passes
 them), so they are no targets; the Engram tables, norms, mHC mixers and routers stay frozen.
 """
@@ -22,10 +27,18 @@ from primus_v4.models.common import lora
 from primus_v4.models.common.lora import LoraSpec
 from primus_v4.models.deepseek_v4.lora import linear_targets as v4_linear_targets
 from primus_v4.models.deepseek_v41.block import Block
+from primus_v4.models.deepseek_v41.vision import Aligner, VisionBlock
 
 
-def linear_targets(block: Block) -> dict[str, tuple[nn.Module, str]]:
-    """Release name -> (owner module, attribute) of the layer's nn.Linear targets."""
+def linear_targets(block: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Release name -> (owner module, attribute) of the layer's nn.Linear targets (a decoder
+    layer, a ViT block or the aligner)."""
+    if isinstance(block, VisionBlock):
+        return {"vision.wqkv": (block.attn, "wqkv"), "vision.wo": (block.attn, "wo"),
+                "vision.w1": (block.mlp, "w1"), "vision.w2": (block.mlp, "w2")}  # fmt: skip
+    if isinstance(block, Aligner):
+        return {"aligner.w1": (block, "w1"), "aligner.w2": (block, "w2")}
+    assert isinstance(block, Block)
     out = v4_linear_targets(block)
     compressor = block.attn.compressor
     if compressor is not None and compressor.wgate is None:  # ratio 1: no gate
@@ -39,7 +52,8 @@ def apply_lora(model: nn.Module, spec: LoraSpec, *, seed: int) -> int:
     """Freeze `model` (a whole model or a rank's stage and expert shard, materialized) and add
     `spec`'s adapters to each layer it holds. Returns the adapter parameters added on this
     rank."""
-    return lora.apply_lora(model, spec, seed=seed, layers=(Block,), linear_targets=linear_targets)
+    return lora.apply_lora(model, spec, seed=seed, layers=(Block, VisionBlock, Aligner),
+                           linear_targets=linear_targets)  # fmt: skip
 
 
 def add_adapters(module: nn.Module, section: object, *, seed: int) -> int:

@@ -55,15 +55,20 @@ def _attach_images(module: Any, release: Any, *, device: Any) -> str:
     from primus_v4.models.deepseek_v41.vision import load_image_encoder
 
     target = getattr(module, "module", module)  # a wrapper's inner model
-    train, dtype = target.cfg.vision_train, target.embedding.weight.dtype
-    if train == "all":
-        return "the vision tower, aligner and span vectors train (model.vision.train=all)"
-    encoder = load_image_encoder(release, dtype=dtype, tower_only=train == "aligner")
-    target.set_image_encoder(encoder.to(device))
-    if train == "aligner":
-        return (f"the aligner and span vectors train; the vision tower is frozen ({dtype}; "
-                "model.vision.train=aligner)")  # fmt: skip
-    return f"the vision tower, aligner and span vectors are frozen ({dtype})"
+    held, dtype = target.cfg.vision_train, target.embedding.weight.dtype
+    own = [(n, p) for n, p in target.named_parameters()
+           if n.startswith(("vision.", "aligner.", "image_"))]  # fmt: skip
+    adapters = sum(p.numel() for n, p in own if p.requires_grad and ".lora_" in n)
+    trained = sum(p.numel() for n, p in own if p.requires_grad) - adapters
+    how = (f"{trained} parameters of it train" if trained else "") + (
+        f"{' and ' if trained else ''}LoRA adapters ({adapters} parameters) on it train"
+        if adapters else "")  # fmt: skip
+    if held != "all":
+        encoder = load_image_encoder(release, dtype=dtype, tower_only=held == "aligner")
+        target.set_image_encoder(encoder.to(device))
+    frozen = {"frozen": "the vision tower, aligner and span vectors are frozen",
+              "aligner": "the vision tower is frozen"}.get(held)  # fmt: skip
+    return "; ".join(x for x in (how, frozen and f"{frozen} ({dtype})") if x)
 
 
 SPEC = ModelSpec(

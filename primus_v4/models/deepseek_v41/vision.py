@@ -128,7 +128,7 @@ class _Mlp(nn.Module):
         return self.w2(F.silu(g) * u)
 
 
-class _Block(nn.Module):
+class VisionBlock(nn.Module):
     def __init__(self, s: VisionSizes) -> None:
         super().__init__()
         self.norm1, self.attn = _Norm(s.width), _Attention(s)
@@ -155,7 +155,7 @@ class VisionTower(nn.Module):
         super().__init__()
         self.sizes = s
         self.patch_embed = _PatchEmbed(s)
-        self.blocks = nn.ModuleList(_Block(s) for _ in range(s.layers))
+        self.blocks = nn.ModuleList(VisionBlock(s) for _ in range(s.layers))
         self.norm = _Norm(s.width)
 
     def forward(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:

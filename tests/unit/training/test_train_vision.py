@@ -139,6 +139,57 @@ def test_choices_that_cannot_train_stop_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model\.vision\.train"):
         load_config(overrides=["model.vision.train=tower"])
     run = _run(tmp_path, "aligner")
-    with pytest.raises(DataError, match=r"hold no images, so model\.vision\.train=aligner"):
+    with pytest.raises(
+        DataError, match=r"hold no images, so model\.vision\.train=aligner has nothing"
+    ):
         check_images(FakeCorpus([[100]]), run, "text.jsonl")
     check_images(FakeCorpus([[100]]), run, "eval.jsonl", training=False)  # held-out text: fine
+
+
+def test_lora_adapters_on_the_image_encoder_train_and_export_merged(tmp_path: Path) -> None:
+    """LoRA targets on the tower and the aligner: the model holds them as its (frozen) base with
+    adapters (bias kept); step 1 is a text-only LoRA run's step 1 (B starts at zero), step 2 not;
+    only adapters
+    train; the merged export writes W + (alpha / r) B A in BF16 under the release's names and
+    the rest of the encoder as released; a PEFT export refuses them in one line."""
+    from primus_v4.export.run import ExportError, export_adapters
+
+    lora = ("model.lora.rank=4", "model.lora.alpha=8", "train.lr=1e-2", "train.steps=2")
+    targets = "model.lora.targets=[wq_a,vision.wqkv,vision.w2,aligner.w1]"
+    run = image_run(tmp_path, *lora, targets, f"checkpoint.dir={tmp_path / 'ckpt'}",
+                    "checkpoint.interval=2")  # fmt: skip
+    trainer = Trainer(run, corpus=GoldenImageCorpus())
+    trained = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    assert all(".lora_" in n for n in trained)
+    assert {n.rsplit(".", 1)[0] for n in trained if not n.startswith("layers.")} == {
+        *(f"vision.blocks.{i}.{m}" for i in range(2) for m in ("attn.wqkv", "mlp.w2")),
+        "aligner.w1",
+    }
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+            if not p.requires_grad and n.startswith(IMAGE_PARTS)}  # fmt: skip
+    assert trainer.model.aligner.w1.bias is not None  # the frozen bias stays
+    rows = trainer.train().rows
+    text_only = image_run(tmp_path / "text", *lora, "model.lora.targets=[wq_a]")
+    text = Trainer(text_only, corpus=GoldenImageCorpus()).train().rows
+    assert rows[0].loss == pytest.approx(text[0].loss, rel=1e-12)  # B = 0: the same forward
+    assert abs(rows[1].loss - text[1].loss) > 1e-6, "the encoder's adapters changed nothing"
+    for name, p in trainer.model.named_parameters():
+        if name in base:
+            assert torch.equal(p, base[name]), f"{name}: the frozen base moved"
+
+    out = tmp_path / "merged"
+    export_checkpoint(find_source(tmp_path / "ckpt"), out)
+    released, exported = _tensors(RELEASE, IMAGE_PARTS), _tensors(out, IMAGE_PARTS)
+    assert sorted(exported) == sorted(released)
+    adapted = {n.rsplit(".", 1)[0] for n in trained if not n.startswith("layers.")}
+    for name, t in exported.items():
+        module = name.rsplit(".", 1)[0]
+        if module in adapted and name.endswith(".weight"):
+            lin = trainer.model.get_submodule(module)
+            assert torch.equal(t, lin.merged_weight().to(torch.bfloat16)), name
+            assert not torch.equal(t, released[name]), name
+        else:
+            assert torch.equal(t.view(torch.int16), released[name].view(torch.int16)), name
+    with pytest.raises(ExportError, match=r"adapter tensors on the image encoder .* no PEFT"):
+        export_adapters(find_source(tmp_path / "ckpt"), tmp_path / "peft")
+    assert not (tmp_path / "peft").exists()
