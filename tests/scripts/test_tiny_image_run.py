@@ -1,7 +1,8 @@
 """The tiny image run of examples/images: the script makes a release with a vision tower, 12
 synthetic pictures and 48 conversations; `train --config run.yaml` trains 30 steps on packs with
 images (the loss falls); the export of its checkpoint is re-read, the vision tensors byte for
-byte the release's (the tower is frozen) and the text model the trained one."""
+byte the release's (the tower is frozen) and the text model the trained one; with
+`model.vision.train=aligner` the aligner trains and is exported, the tower still as released."""
 
 from __future__ import annotations
 
@@ -56,3 +57,17 @@ def test_the_tiny_image_run_trains_and_exports(tmp_path: Path, monkeypatch) -> N
     assert released and exported == released, "the frozen tower is carried byte for byte"
     text = _tensors(out / "export", ("embed.",))
     assert text and text != _tensors(out / "release", ("embed.",)), "the text model trained"
+    # the aligner trained too (`model.vision.train=aligner`, 3 steps): exported in BF16 under
+    # the release's names, changed; the frozen tower still the release's bytes
+    aligner = out / "aligner"
+    assert main(["train", "--config", str(out / "run.yaml"), *quiet, "--set",
+                 "model.vision.train=aligner", "--set", "train.steps=3", "--set",
+                 f"output.dir={aligner}", "--set", f"checkpoint.dir={aligner / 'ckpt'}",
+                 "--set", "checkpoint.interval=3"]) == 0  # fmt: skip
+    assert main(["export", "--run", str(aligner), "--out", str(out / "aligner_export"),
+                 "--no-progress"]) == 0  # fmt: skip
+    exported = _tensors(out / "aligner_export", vision)
+    assert sorted(exported) == sorted(released)
+    moved = sorted(n for n in released if exported[n] != released[n])
+    assert moved and all(n.startswith(("aligner.", "image_")) for n in moved), moved
+    assert "aligner.w1.weight" in moved
