@@ -200,10 +200,27 @@ class DeepseekV41Model(DeepseekV4Model):
             return own
         attached = self.__dict__["image_encoder"]
         if attached is None:
+            attached = self._load_image_encoder()
+        if attached is None:
             return None
         if isinstance(attached, VisionTower):
             return attached if name == "vision" else None
         return getattr(attached, name)
+
+    def _load_image_encoder(self) -> nn.Module | None:
+        """A model loaded from a release with a vision tower (`load_pretrained`) reads the frozen
+        parts of its image encoder on first use, in the model's dtype and on its device (a
+        text-only use never reads them); None for any other model."""
+        source = getattr(self, "release_source", None)
+        if source is None or not self.cfg.vision_config or self.cfg.vision_train == "all":
+            return None
+        from primus_v4.models.deepseek_v41.vision import load_image_encoder
+
+        weight = self.embedding.weight
+        encoder = load_image_encoder(source, dtype=weight.dtype,
+                                     tower_only=self.cfg.vision_train == "aligner")  # fmt: skip
+        self.set_image_encoder(encoder.to(weight.device))
+        return encoder
 
     def encode_image(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """patches [h * w, 3, p, p] of one image (`primus_v4.image_patches`) and its ViT grid

@@ -88,6 +88,27 @@ def test_the_model_s_encode_image_equals_the_official_code_and_trains_its_parts(
     assert attached is None or all(p.grad is None for p in attached.parameters())
 
 
+def test_a_loaded_release_encodes_pictures_without_more_set_up(golden) -> None:
+    """`primus_v4.load_pretrained(release)` then `model.encode_image(patches, (h, w))`: the
+    frozen encoder is read from the release on first use (not before: a text-only use never
+    reads it), in the model's dtype."""
+    import primus_v4
+
+    torch.set_num_threads(1)
+    model = primus_v4.load_pretrained(GOLDEN / "checkpoint", progress=False)
+    assert model.__dict__["image_encoder"] is None
+    doc = json.loads((GOLDEN / "manifest.json").read_text())["docs"][0]
+    grid = tuple(doc["images"][0]["vit_grid_hw"])
+    key = f"doc{doc['doc']}.img0"
+    with torch.no_grad():
+        embeds = model.encode_image(golden[f"{key}.patches"], grid)
+    assert float((embeds - golden[f"{key}.embeds"]).abs().max()) <= ATOL
+    assert model.__dict__["image_encoder"] is not None
+    bf16 = primus_v4.load_pretrained(GOLDEN / "checkpoint", progress=False, dtype=torch.bfloat16)
+    assert bf16.encode_image(golden[f"{key}.patches"], grid).dtype == torch.bfloat16
+    assert bf16._image_part("vision").norm.weight.dtype == torch.bfloat16
+
+
 def test_a_release_without_a_tower_or_a_tensor_is_named(tmp_path: Path) -> None:
     release = tmp_path / "release"
     shutil.copytree(GOLDEN / "checkpoint", release)
