@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from primus_v4.config.resolve import vision_held
 from primus_v4.kernels.saved_sets import planned_attention_backend
 from primus_v4.models import spec_of
 from primus_v4.models.common.activations import (
@@ -426,7 +427,7 @@ def _image_rows(plan: MemoryPlan, run: Any) -> None:
     largest image through a frozen tower, and what the trained parts save for backward (a row
     all image tokens, the worst case). The trained parts' weights, gradients and optimizer state
     are the model's own parameters, counted above."""
-    train, b = run.cfg.model.vision.train, _dtype_bytes(run)
+    train, b = vision_held(run.cfg)[0], _dtype_bytes(run)  # LoRA targets on it: held too
     terms = spec_of(run.model).memory.image_encoder(run.cfg.model.pretrained, b=b, train=train)
     if terms is None:
         return
@@ -438,10 +439,11 @@ def _image_rows(plan: MemoryPlan, run: Any) -> None:
         plan.add("encoding the largest image (no gradient)", terms.transient, phase="backward")
     if terms.saved_per_token:
         tokens = run.cfg.data.seq_length // run.sizes.cp
-        plan.add(f"image encoder activations ({train} trains; a row of {tokens} image tokens)",
+        plan.add(f"image encoder activations ({train} in backward; a row of {tokens} image "
+                 "tokens)",
                  terms.saved_per_token * tokens + terms.saved_scores, phase="backward")  # fmt: skip
     plan.notes.append(f"image encoder: {terms.frozen_params / 1e6:.1f}M frozen parameters held in "
-                      f"{run.cfg.model.dtype} (model.vision.train={train}), counted even for a "
+                      f"{run.cfg.model.dtype} ({vision_held(run.cfg)[1]}), counted even for a "
                       "corpus without images")  # fmt: skip
 
 

@@ -157,9 +157,9 @@ def test_trained_image_encoder_parts_are_model_parameters_with_saved_activations
     tower = sum(p.numel() for p in encoder.vision.parameters())
     rest = sum(p.numel() for p in encoder.parameters()) - tower
 
-    def rows(train: str) -> dict[str, float]:
+    def rows(train: str, *extra: str) -> dict[str, float]:
         items = ["model.preset=null", f"model.pretrained={vision}", "data.seq_length=256",
-                 f"model.vision.train={train}"]  # fmt: skip
+                 f"model.vision.train={train}", *extra]  # fmt: skip
         [plan] = plan_memory(resolve_run(load_config(overrides=items), world=1))
         return {name: d for name, d, _, _ in plan.rows}
 
@@ -173,11 +173,14 @@ def test_trained_image_encoder_parts_are_model_parameters_with_saved_activations
                 - frozen["fp32 gradient buckets (+ reduced shard)"]) == trained * 4  # fmt: skip
     # width 64, ffn 96, 2 blocks, 4 heads, LM width 128; 270 patches in the largest image
     per_token = (9 * 64 + 2 * 128) * 4
-    assert aligner["image encoder activations (aligner trains; a row of 256 image tokens)"] == (
-        per_token * 256
-    )
+    key = "image encoder activations ({} in backward; a row of 256 image tokens)"
+    assert aligner[key.format("aligner")] == per_token * 256
     per_token += 9 * 2 * (9 * 64 + 4 * 96) * 4
-    assert every["image encoder activations (all trains; a row of 256 image tokens)"] == (
-        per_token * 256 + 2 * 4 * 270 * 270 * 4
-    )
+    assert every[key.format("all")] == (per_token * 256 + 2 * 4 * 270 * 270 * 4)
     assert "encoding the largest image (no gradient)" not in every
+    # LoRA on the tower: the model holds the whole encoder (frozen weights, counted once with
+    # the model's), its activations saved as with `all`
+    lora = rows("frozen", "model.lora.rank=4", "model.lora.targets=[wq_a,vision.wqkv]")
+    assert not [name for name in lora if name.startswith("image encoder (frozen")]
+    assert lora["weights (float32)"] > frozen["weights (float32)"]
+    assert lora[key.format("all")] == every[key.format("all")]
