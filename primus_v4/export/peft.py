@@ -229,7 +229,7 @@ class PeftSummary:
 
 def write_peft(
     out: str | os.PathLike,
-    layers: Iterable[tuple[int, dict[str, torch.Tensor]]],
+    layers: Iterable[tuple[int | None, dict[str, torch.Tensor]]],
     config: dict,
     *,
     dtype: torch.dtype | None = None,
@@ -239,7 +239,8 @@ def write_peft(
     card: str | None = None,
 ) -> PeftSummary:
     """Write (layer index, `block_tensors`) pieces as a PEFT adapter directory at `out`
-    (LoRA tensors cast to `dtype` when given; keys `<prefix>layers.N.<name>`; `card`, when
+    (LoRA tensors cast to `dtype` when given; keys `<prefix>layers.N.<name>`, or `<prefix><name>`
+    for a piece of index None, outside the layers; `card`, when
     given, as its README.md), atomically: a temp directory renamed into place when complete,
     removed on any failure."""
     tensors: dict[str, torch.Tensor] = {}
@@ -248,7 +249,8 @@ def write_peft(
             to = dtype if dtype is not None and ".lora_" in name else t.dtype  # routers as held
             # own storage each (safetensors refuses views of one tensor), contiguous
             cast = t.detach().to(to, memory_format=torch.contiguous_format, copy=True)
-            tensors[f"{prefix}layers.{index}.{name}"] = cast
+            where = "" if index is None else f"layers.{index}."
+            tensors[f"{prefix}{where}{name}"] = cast
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(out)

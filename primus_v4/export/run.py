@@ -318,8 +318,8 @@ def export_adapters(
     source: ExportSource, out: str | os.PathLike, *, dtype: torch.dtype | None = None
 ) -> PeftSummary:
     """Write the adapters of LoRA checkpoint `source` in PEFT's format at `out` (peft.py):
-    one decoder layer read at a time; the MTP blocks' adapters are counted, not written; the
-    routers travel too when the run moved their bias."""
+    one decoder layer read at a time, then the image encoder's adapters; the MTP blocks'
+    adapters are counted, not written; the routers travel too when the run moved their bias."""
     lora = source.run.model.lora
     if not lora.rank:
         raise ConfigError(
@@ -329,23 +329,22 @@ def export_adapters(
     cfg = model_config_of(source)
     stored = _stored_model_tensors(source.checkpoint)
     _check_adapters(cfg, stored, source.checkpoint)
-    vision = sorted(n for n in stored if is_adapter(n) and n.startswith(("vision.", "aligner.")))
-    if vision:  # written nowhere would be a silent drop
-        raise ExportError(
-            f"{source.checkpoint}: holds {len(vision)} adapter tensors on the image encoder "
-            f"({vision[0]}, ...), which have no PEFT layout here yet; nothing was written: "
-            "export --format release writes them merged"
-        )
     mtp = [n for n in stored if is_adapter(n) and n.startswith("mtp.")]
     routers = source.run.model.router_bias_update_rate > 0  # the run moved gate.bias
     # module names: the family's own (its release's, where transformers has no class for it),
     # else transformers' (peft.py)
     naming = spec_of(cfg).release.peft or peft
+    vision = sorted(n for n in stored if is_adapter(n) and n.startswith(("vision.", "aligner.")))
+    if vision and getattr(naming, "vision_tensors", None) is None:  # never a silent drop
+        raise ExportError(
+            f"{source.checkpoint}: holds adapters on an image encoder ({vision[0]}, ...) that "
+            "this PEFT layout has no names for; nothing was written"
+        )
 
     def wanted(name: str) -> bool:
         return is_adapter(name) or (routers and ".moe.router." in name)
 
-    def layers() -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    def layers() -> Iterator[tuple[int | None, dict[str, torch.Tensor]]]:
         with base_reader(cfg, source.run) if routers else nullcontext() as read:
             for group in _groups([n for n in stored if n.startswith("layers.") and wanted(n)]):
                 index = int(group[0].split(".")[1])
@@ -359,6 +358,8 @@ def export_adapters(
                     cfg.num_moe_experts,
                 )  # fmt: skip
                 yield index, tensors | naming.router_tensors(own)
+        if vision:  # the image encoder's adapters, outside the layers
+            yield None, naming.vision_tensors(load_group(source.checkpoint, vision, stored))
 
     config = naming.adapter_config(lora, cfg, source.run.model.pretrained, routers)
     tokenizer = tokenizer_files(resolve_tokenizer_dir(tokenizer_of(source.run)))

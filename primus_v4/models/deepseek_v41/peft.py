@@ -18,6 +18,9 @@ names of the release's own inference model (`inference/model.py`, whose tensors 
                                                                         expert (E' < E: repeated)
   engram.wkv                        engram.wkv                          target_modules
   attn.wo_a_lora [G, ...]           attn.wo_a.weight [G O, I]           target_parameters
+  vision.blocks.N.attn.wqkv / wo, vision.blocks.N.mlp.w1 / w2, aligner.w1 / w2 (the image
+  encoder's, outside `layers.N`): keyed by those names   target_modules attn.wqkv, attn.wo,
+                                                         mlp.w1, mlp.w2, aligner.w1, aligner.w2
 - wo_a: the release's wo_a is one [G O, I] weight applied per group, so a module LoRA would mix
   the groups; as for DeepSeek-V4 (export/peft.py) the G per-group adapters are one parameter
   adapter of rank G r: A = cat_g A_g [G r, I], B = blockdiag_g B_g [G O, G r], with
@@ -57,6 +60,12 @@ MODULES = {t: m for spans in LINEARS.values() for t, m in spans}  # release targ
 WO_A, WO_A_PARAM = "attn.wo_a_lora", "attn.wo_a.weight"
 EXPERTS = "moe.expert_lora"
 EXPERT_KINDS = {"gate": "w1", "up": "w3", "down": "w2"}  # ours -> the release's projection
+# adapters on the image encoder (`model.lora.targets` vision.* / aligner.*): our modules carry
+# the release's names (`vision.blocks.N.attn.wqkv`, `aligner.w1`, ...), keyed as they are
+VISION_MODULES = {"vision.wqkv": "attn.wqkv", "vision.wo": "attn.wo", "vision.w1": "mlp.w1",
+                  "vision.w2": "mlp.w2", "aligner.w1": "aligner.w1",
+                  "aligner.w2": "aligner.w2"}  # fmt: skip
+VISION_PARTS = ("vision.", "aligner.")
 ROUTER = "ffn.gate"
 ROUTER_PARTS = {"moe.router.weight": "weight", "moe.router.bias": "bias"}
 
@@ -98,6 +107,18 @@ def block_tensors(
     return out
 
 
+def vision_tensors(own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The image encoder's adapters (our names: `vision.blocks.N.attn.wqkv.lora_A`, ...; one
+    span each, [1, r, in] / [1, out, r]) as PEFT's tensors, keyed by the same module names."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in own.items():
+        module, _, attr = name.rpartition(".")
+        if not module.startswith(VISION_PARTS) or attr not in ("lora_A", "lora_B"):
+            raise ValueError(f"adapter {name!r} is not on the image encoder's linears")
+        out[f"{module}.{attr}.weight"] = t[0]
+    return out
+
+
 def router_tensors(own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A layer's router (our names inside the layer) as modules_to_save tensors."""
     return {f"{ROUTER}.{rel}": own[ours] for ours, rel in ROUTER_PARTS.items() if ours in own}
@@ -107,6 +128,7 @@ def adapter_config(lora: Any, cfg: Any, base_model: str | None, routers: bool) -
     """adapter_config.json of a run's `model.lora` section on model config `cfg`."""
     r, alpha = lora.rank, lora.alpha
     modules = [MODULES[t] for t in lora.targets if t in MODULES]
+    modules += [VISION_MODULES[t] for t in lora.targets if t in VISION_MODULES]
     modules += [f"ffn.experts.{e}.{EXPERT_KINDS[k]}" for e in range(cfg.num_moe_experts)
                 for t, k in (("experts.w1", "gate"), ("experts.w3", "up"),
                              ("experts.w2", "down")) if t in lora.targets]  # fmt: skip
@@ -136,6 +158,8 @@ def to_ours(tensors: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict
         return tensors[key]
 
     for name, param in own.items():
+        if name.startswith(VISION_PARTS):  # the image encoder's: keyed by our own name
+            out[name] = take(f"{KEY_PREFIX}{name}.weight")[None]
         layer, _, rest = name.removeprefix("layers.").partition(".")
         base = f"{KEY_PREFIX}layers.{layer}."
         module, _, attr = rest.rpartition(".")

@@ -16,6 +16,7 @@ import pytest
 import torch
 from image_corpus import RELEASE, GoldenImageCorpus, image_run
 from safetensors import safe_open
+from safetensors.torch import load_file
 from threads import one_thread  # noqa: F401 (the fixture)
 from train_fakes import FakeCorpus
 
@@ -151,8 +152,10 @@ def test_lora_adapters_on_the_image_encoder_train_and_export_merged(tmp_path: Pa
     adapters (bias kept); step 1 is a text-only LoRA run's step 1 (B starts at zero), step 2 not;
     only adapters
     train; the merged export writes W + (alpha / r) B A in BF16 under the release's names and
-    the rest of the encoder as released; a PEFT export refuses them in one line."""
-    from primus_v4.export.run import ExportError, export_adapters
+    the rest of the encoder as released; the PEFT export names them as the release does and reads
+    back as the run's adapters."""
+    from primus_v4.export.run import export_adapters
+    from primus_v4.models.deepseek_v41 import peft
 
     lora = ("model.lora.rank=4", "model.lora.alpha=8", "train.lr=1e-2", "train.steps=2")
     targets = "model.lora.targets=[wq_a,vision.wqkv,vision.w2,aligner.w1]"
@@ -190,6 +193,15 @@ def test_lora_adapters_on_the_image_encoder_train_and_export_merged(tmp_path: Pa
             assert not torch.equal(t, released[name]), name
         else:
             assert torch.equal(t.view(torch.int16), released[name].view(torch.int16)), name
-    with pytest.raises(ExportError, match=r"adapter tensors on the image encoder .* no PEFT"):
-        export_adapters(find_source(tmp_path / "ckpt"), tmp_path / "peft")
-    assert not (tmp_path / "peft").exists()
+    # PEFT's format, on the release's module names; read back, the run's adapters
+    export_adapters(find_source(tmp_path / "ckpt"), tmp_path / "peft")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["aligner.w1", "attn.wq_a", "attn.wqkv", "mlp.w2"]
+    tensors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    lin = trainer.model.aligner.w1
+    assert torch.equal(tensors["base_model.model.aligner.w1.lora_B.weight"], lin.lora_B[0])
+    back = peft.to_ours(tensors, trainer.model)
+    assert sorted(back) == trained
+    for name, p in trainer.model.named_parameters():
+        if name in back:
+            assert torch.equal(back[name], p), name
