@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from primus_v4.data.packed_corpus import layout, to_thd_batch
-from primus_v4.data.thd import ThdBatch
+from primus_v4.data.packed_corpus import SampleCorpus
 
 SEQ = 256
 MOD = 509
 RULES = {"A": (5, 11), "B": (7, 3)}
 
 
-class RuleCorpus:
+class RuleCorpus(SampleCorpus):
     """Packs of samples of rule A or B (the module docstring), as the trainer reads a corpus."""
 
     def __init__(self, rule: str, *, packs: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
         mult, add = RULES[rule]
+        self.seq_length = SEQ
         self.samples: list[tuple[np.ndarray, np.ndarray]] = []
         self.offsets = [0]
         for _ in range(packs):
@@ -37,29 +37,6 @@ class RuleCorpus:
                 left -= n
             self.offsets.append(len(self.samples))
         self.stats = {"packs": packs, "samples": len(self.samples)}
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.samples)
-
-    def pack_sample_range(self, i: int) -> tuple[int, int]:
-        return self.offsets[i], self.offsets[i + 1]
-
-    def _row(self, first: int, stop: int) -> ThdBatch:
-        chosen = self.samples[first:stop]
-        return to_thd_batch(layout(np.concatenate([t for t, _ in chosen]),
-                                   np.concatenate([m for _, m in chosen]),
-                                   np.array([len(t) for t, _ in chosen]), seq_length=SEQ,
-                                   pad_id=0))  # fmt: skip
-
-    def thd_batch(self, i: int) -> ThdBatch:
-        return self._row(*self.pack_sample_range(i))
-
-    def bshd_batch(self, j: int) -> ThdBatch:
-        return self._row(j, j + 1)
 
     def prompts(self, count: int) -> list[list[int]]:
         return [t[: len(t) // 4].tolist() for t, _ in self.samples[:count]]

@@ -94,6 +94,41 @@ def to_thd_batch(
     )
 
 
+class SampleCorpus:
+    """A corpus held in memory, read as the trainer reads a pack cache: `samples` (token ids,
+    target mask) grouped into packs by `offsets` (pack i: samples offsets[i] to offsets[i + 1]),
+    each pack one THD row of `seq_length` (padded with `pad_id`), or one sample per BSHD row.
+    A subclass fills the three attributes (synthetic corpora of tests and benchmarks)."""
+
+    samples: list[tuple[np.ndarray, np.ndarray]]
+    offsets: list[int]
+    seq_length: int
+    pad_id: int = 0
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    def pack_sample_range(self, i: int) -> tuple[int, int]:
+        return self.offsets[i], self.offsets[i + 1]
+
+    def _row(self, first: int, stop: int) -> ThdBatch:
+        chosen = self.samples[first:stop]
+        return to_thd_batch(layout(np.concatenate([t for t, _ in chosen]),
+                                   np.concatenate([m for _, m in chosen]),
+                                   np.array([len(t) for t, _ in chosen]),
+                                   seq_length=self.seq_length, pad_id=self.pad_id))  # fmt: skip
+
+    def thd_batch(self, i: int) -> ThdBatch:
+        return self._row(*self.pack_sample_range(i))
+
+    def bshd_batch(self, j: int) -> ThdBatch:
+        return self._row(j, j + 1)
+
+
 class PackedCorpus:
     """Packs of one cache entry. Cheap to open (mmap); every accessor is O(pack size)."""
 

@@ -10,15 +10,14 @@ import torch
 
 from primus_v4.config import ResolvedRun, load_config, resolve_run
 from primus_v4.data.mtp_shift import mtp_streams
-from primus_v4.data.packed_corpus import layout, to_thd_batch
-from primus_v4.data.thd import ThdBatch
+from primus_v4.data.packed_corpus import SampleCorpus
 from primus_v4.models.deepseek_v4.model import ModelOutput
 
 TEST_VOCAB = 512  # the tiny model with a small vocab: same layers, ~20x faster LM head
 SEQ = 256  # two HCA windows and two sliding windows per row
 
 
-class FakeCorpus:
+class FakeCorpus(SampleCorpus):
     """Packs given as lists of sample lengths; samples numbered in pack order."""
 
     def __init__(self, packs: list[list[int]], *, seq_length: int = SEQ, seed: int = 0) -> None:
@@ -35,34 +34,6 @@ class FakeCorpus:
                 self.samples.append((tokens, targets))
             self.offsets.append(len(self.samples))
         self.stats = {"packs": len(packs), "samples": len(self.samples)}
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.samples)
-
-    def pack_sample_range(self, i: int) -> tuple[int, int]:
-        return self.offsets[i], self.offsets[i + 1]
-
-    def _row(self, first: int, stop: int) -> ThdBatch:
-        chosen = self.samples[first:stop]
-        return to_thd_batch(
-            layout(
-                np.concatenate([t for t, _ in chosen]),
-                np.concatenate([m for _, m in chosen]),
-                np.array([len(t) for t, _ in chosen]),
-                seq_length=self.seq_length,
-                pad_id=0,
-            )
-        )
-
-    def thd_batch(self, i: int) -> ThdBatch:
-        return self._row(*self.pack_sample_range(i))
-
-    def bshd_batch(self, j: int) -> ThdBatch:
-        return self._row(j, j + 1)
 
 
 RAGGED_PACKS = [[100, 70, 60], [200, 40], [33, 150, 60], [90, 90, 60], [250], [120, 111]]
