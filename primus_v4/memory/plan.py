@@ -433,18 +433,17 @@ def _image_rows(plan: MemoryPlan, run: Any) -> None:
         return
     if terms.frozen_params:
         what = "frozen" if train == "frozen" else "frozen tower"
-        plan.add(f"image encoder ({what}; used when the packs hold images)",
-                 terms.frozen_params * b)  # fmt: skip
+        plan.add(f"image encoder ({what})", terms.frozen_params * b)
     if terms.transient:
         plan.add("encoding the largest image (no gradient)", terms.transient, phase="backward")
     if terms.saved_per_token:
         tokens = run.cfg.data.seq_length // run.sizes.cp
-        plan.add(f"image encoder activations ({train} in backward; a row of {tokens} image "
-                 "tokens)",
+        plan.add(f"image encoder activations x {tokens} tokens",
                  terms.saved_per_token * tokens + terms.saved_scores, phase="backward")  # fmt: skip
     plan.notes.append(f"image encoder: {terms.frozen_params / 1e6:.1f}M frozen parameters held in "
-                      f"{run.cfg.model.dtype} ({vision_held(run.cfg)[1]}), counted even for a "
-                      "corpus without images")  # fmt: skip
+                      f"{run.cfg.model.dtype} ({vision_held(run.cfg)[1]}), loaded when the packs "
+                      "hold images and counted even for a corpus without; activations of a row "
+                      "all image tokens (the worst case)")  # fmt: skip
 
 
 def plan_memory(
