@@ -166,8 +166,9 @@ class DeepseekV41Fields(DeepseekV4Fields):
                               f"{self.vision_train!r}")  # fmt: skip
         if self.vision_train != "frozen" and not self.vision_config:
             raise ConfigError(
-                f"vision_train {self.vision_train!r}: the model has no image encoder (no "
-                "vision_config: a release's config.json holds it beside text_config)"
+                f"vision_train {self.vision_train!r} (model.vision.train, or LoRA targets on the "
+                "image encoder): the model has no image encoder (no vision_config: a release's "
+                "config.json holds it beside text_config)"
             )
 
     def _validate_dspark(self) -> None:

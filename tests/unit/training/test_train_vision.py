@@ -132,6 +132,13 @@ def test_choices_that_cannot_train_stop_in_one_line(tmp_path: Path) -> None:
          "parallel.pp=2"):
             r"one process or data parallel for now \(parallel\.pp=2\)",
     }  # fmt: skip
+    text_release = RELEASE.parents[1] / "dsv41_golden" / "checkpoint"  # no vision tower
+    for lora in ((), ("model.lora.rank=4", "model.lora.targets=[vision.wqkv]")):
+        items = ("model.preset=null", f"model.pretrained={text_release}", *lora)
+        cases[(*items, "model.vision.train=frozen" if lora else "model.vision.train=aligner")] = (
+            r"vision_train '(aligner|all)' \(model\.vision\.train, or LoRA targets on the image "
+            r"encoder\): the model has no image encoder"
+        )
     for items, words in cases.items():
         with pytest.raises(ConfigError, match=words):
             resolve_run(load_config(overrides=[*items, "train.global_batch_size=2"]), world=2)
