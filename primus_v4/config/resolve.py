@@ -193,7 +193,7 @@ def model_config(cfg: RunConfig, *, geometry: bool = False) -> Any:
         overrides.setdefault("ce_chunk_size", cfg.data.seq_length)
     overrides.setdefault("lm_head_rows", cfg.model.lm_head_rows)
     _recompute_overrides(cfg, overrides)
-    _draft_overrides(cfg, overrides)
+    _training_overrides(cfg, overrides)
     if cfg.model.dtype == "bfloat16" and not light:  # the geometry holds no dtype
         import torch
 
@@ -239,7 +239,9 @@ def _recompute_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
         overrides["recompute_modules"] = list(cfg.model.recompute_modules)
 
 
-def _draft_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
+def _training_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> None:
+    """The model config's training fields of the drafter (`model.draft`) and the image encoder
+    (`model.vision`, LoRA targets on it)."""
     overrides.update(draft_overrides(cfg))
     overrides.update(vision_overrides(cfg))
 

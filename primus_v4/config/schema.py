@@ -122,7 +122,7 @@ LORA_VISION_TARGETS = ("vision.wqkv", "vision.wo", "vision.w1", "vision.w2", "al
                        "aligner.w2")  # fmt: skip
 """Targets of DeepSeek-V4.1's image encoder (off by default): every ViT block's fused qkv and
 output projection and MLP (`vision.blocks.N.attn.wqkv` / `wo`, `vision.blocks.N.mlp.w1` / `w2`)
-and the aligner's two linears. The runs's rows must hold images."""
+and the aligner's two linears. The run's rows must hold images."""
 LORA_DEFAULT_TARGETS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts.w1",
                         "shared_experts.w2", "shared_experts.w3", "experts.w1", "experts.w2",
                         "experts.w3")  # fmt: skip

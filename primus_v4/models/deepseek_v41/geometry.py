@@ -100,11 +100,12 @@ class DeepseekV41Fields(DeepseekV4Fields):
     """The release's `vision_config` (beside `text_config` in its config.json): the sizes of its
     image encoder (models/deepseek_v41/vision.py); None for a release without one."""
     vision_train: str = "frozen"
-    """Which parts of the image encoder a run trains (the run's `model.vision.train`): `frozen`
-    (none: the encoder is attached outside the model, in no checkpoint, its tensors carried by
-    an export), `aligner` (the aligner and the span vectors are parameters of the model, loaded
-    from the release, trained, checkpointed and exported in BF16; the tower stays frozen) or
-    `all` (the ViT too). A training field: never in config.json."""
+    """Which parts of the image encoder the model holds as its own parameters (the run's
+    `model.vision.train`, or `all` / `aligner` for LoRA targets on them): `frozen` (none: the
+    encoder is attached outside the model, in no checkpoint, its tensors carried by an export),
+    `aligner` (the aligner and the span vectors: loaded from the release, trained or adapted,
+    checkpointed and exported in BF16; the tower attached frozen) or `all` (the ViT too). A
+    training field: never in config.json."""
     activation_fake_quant: bool = False
     """Simulate the release's inference activation quantization (window KV FP8 per 32 values,
     compressed KV FP4 per 16 with e4m3 scales, indexer q/k FP4 per 32; straight-through

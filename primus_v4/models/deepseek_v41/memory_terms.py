@@ -176,17 +176,14 @@ def image_encoder_bytes(release: Any, *, b: int, train: str = "frozen") -> Any:
     r2 = grid.downsample_ratio**2
     patches = (grid.max_image_tokens - 2) * r2
     scores = sizes.heads * patches * patches * 4
+    no_grad = float(patches * (4 * sizes.width + 2 * sizes.ffn) * b + scores)  # a frozen tower
     if train == "frozen":
-        return ImageEncoderTerms(frozen_params=tower + rest, saved_scores=0.0,
-                                 transient=float(patches * (4 * sizes.width + 2 * sizes.ffn) * b
-                                                 + scores),
-                                 saved_per_token=0.0)  # fmt: skip
+        return ImageEncoderTerms(frozen_params=tower + rest, transient=no_grad,
+                                 saved_per_token=0.0, saved_scores=0.0)  # fmt: skip
     aligner = (r2 * sizes.width + 2 * sizes.text_width) * b
     if train == "aligner":
-        return ImageEncoderTerms(frozen_params=tower, saved_scores=0.0,
-                                 transient=float(patches * (4 * sizes.width + 2 * sizes.ffn) * b
-                                                 + scores),
-                                 saved_per_token=float(aligner))  # fmt: skip
+        return ImageEncoderTerms(frozen_params=tower, transient=no_grad,
+                                 saved_per_token=float(aligner), saved_scores=0.0)  # fmt: skip
     block = (9 * sizes.width + 4 * sizes.ffn) * b
     return ImageEncoderTerms(frozen_params=0, transient=0.0,
                              saved_per_token=float(aligner + r2 * sizes.layers * block),

@@ -42,7 +42,13 @@ from primus_v4.models.deepseek_v41.dspark_objective import (
     slot_targets,
 )
 from primus_v4.models.deepseek_v41.engram import EngramHash
-from primus_v4.models.deepseek_v41.vision import SPAN_VECTORS, Aligner, VisionTower, vision_sizes
+from primus_v4.models.deepseek_v41.vision import (
+    SPAN_VECTORS,
+    Aligner,
+    VisionTower,
+    load_image_encoder,
+    vision_sizes,
+)
 
 
 class EngramRows(nn.Module):
@@ -214,8 +220,6 @@ class DeepseekV41Model(DeepseekV4Model):
         source = getattr(self, "release_source", None)
         if source is None or not self.cfg.vision_config or self.cfg.vision_train == "all":
             return None
-        from primus_v4.models.deepseek_v41.vision import load_image_encoder
-
         weight = self.embedding.weight
         encoder = load_image_encoder(source, dtype=weight.dtype,
                                      tower_only=self.cfg.vision_train == "aligner")  # fmt: skip
@@ -229,8 +233,8 @@ class DeepseekV41Model(DeepseekV4Model):
         tower, aligner = self._image_part("vision"), self._image_part("aligner")
         if tower is None or aligner is None:
             raise ConfigError(
-                "token_types mark image positions but the model has no image encoder "
-                "(set_image_encoder, from a release with a vision tower)"
+                "the model has no image encoder to encode pictures with (load it from a release "
+                "with a vision tower, or set_image_encoder)"
             )
         grid = (int(grid[0]), int(grid[1]))
         frozen = not any(p.requires_grad for p in tower.parameters())

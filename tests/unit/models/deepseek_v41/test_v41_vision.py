@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from primus_v4 import image_patches
-from primus_v4.errors import CheckpointFormatError
+from primus_v4.errors import CheckpointFormatError, ConfigError
 from primus_v4.models.deepseek_v41.release.load import load_pretrained
 from primus_v4.models.deepseek_v41.spec import SPEC
 from primus_v4.models.deepseek_v41.vision import cells_of, load_image_encoder
@@ -104,6 +104,10 @@ def test_a_loaded_release_encodes_pictures_without_more_set_up(golden) -> None:
         embeds = model.encode_image(golden[f"{key}.patches"], grid)
     assert float((embeds - golden[f"{key}.embeds"]).abs().max()) <= ATOL
     assert model.__dict__["image_encoder"] is not None
+    unsourced = primus_v4.load_pretrained(GOLDEN / "checkpoint", progress=False)
+    del unsourced.release_source  # a model that does not know its release: said, not guessed
+    with pytest.raises(ConfigError, match="the model has no image encoder to encode pictures"):
+        unsourced.encode_image(golden[f"{key}.patches"], grid)
     bf16 = primus_v4.load_pretrained(GOLDEN / "checkpoint", progress=False, dtype=torch.bfloat16)
     assert bf16.encode_image(golden[f"{key}.patches"], grid).dtype == torch.bfloat16
     assert bf16._image_part("vision").norm.weight.dtype == torch.bfloat16
