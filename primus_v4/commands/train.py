@@ -106,15 +106,18 @@ def preflight(cfg: Any, args: argparse.Namespace) -> Any:
     `--dry-run` makes these same ones, through this one function, so the two cannot drift:
     the paths (writable dirs, corpus files, tokenizer, tracker importable and its directory),
     the resolved config (every size bounded, parallel sizes, vocabulary against the tokenizer,
-    the modes' refusals), the release (index, shard headers, names, its Engram token map) and
-    the memory plan where one is asked for or an accelerator is used. The output and checkpoint
-    directories are checked by `run_dirs` (the dry run) or claimed (the run). Returns the
-    resolved run, or None when the memory plan does not fit (it said why)."""
+    the modes' refusals), a resume's change of what trains, the release (index, shard headers,
+    names, its Engram token map) and the memory plan where one is asked for or an accelerator
+    is used. The output and checkpoint directories are checked by `run_dirs` (the dry run) or
+    claimed (the run). Returns the resolved run, or None when the memory plan does not fit (it
+    said why)."""
     from primus_v4.config import resolve_run
     from primus_v4.config.preflight import check_paths
     from primus_v4.config.resolve import check_pretrained
+    from primus_v4.training.checkpoint.trained_parts import check_newest
 
     check_paths(cfg)  # seconds, before the model config imports torch
+    check_newest(cfg)  # a resume that would drop a trained part, or train one not held
     # without a memory plan, a dry run reads the model's geometry: no torch, no megatron-core
     resolved = resolve_run(cfg, geometry=args.dry_run and args.device_memory is None)
     if _config_only(cfg, args):

@@ -8,6 +8,9 @@ checkpoint.resume=false refuses a dir that already holds checkpoints instead of 
 Resume rules. The checkpoint's own config.yaml is compared with this run's:
   * a different model (preset, overrides, dtype) or pp/cp/ep size is an error listing the keys;
     an override that sets a field to the value the model already has is no change;
+  * a run that would drop a part the checkpoint trained, or train one it does not hold (the
+    training switches: model.draft.train, model.vision.train, model.lora, model.engram.trainable)
+    is an error naming the part and the switch (training.checkpoint.trained_parts);
   * a checkpoint past this run's last step is an error (it would train nothing);
   * anything else may change and is logged. The learning-rate schedule is always this run's
     config (steps, lr, min_lr, warmup) evaluated at the resumed step, never the saved base lr.
@@ -29,6 +32,7 @@ from primus_v4.errors import CheckpointError, PrimusError, ResumeError
 from primus_v4.log import get_logger
 from primus_v4.training.checkpoint import integrity
 from primus_v4.training.checkpoint.store import CheckpointManager, load_latest
+from primus_v4.training.checkpoint.trained_parts import check_trained_parts
 
 log = get_logger(__name__)
 
@@ -134,6 +138,8 @@ def check_resumable(path: Path, cfg: RunConfig, world: int) -> None:
             "same model and the same pp/cp/ep sizes (only the data-parallel size may change); use "
             "a new checkpoint.dir (or restore the old values)"
         )
+    model = saved.get("model") if isinstance(saved, dict) else None
+    check_trained_parts(str(path), model if isinstance(model, dict) else {}, to_dict(cfg)["model"])
     saved_world = integrity.read_complete(path).get("world_size", world)
     if saved_world != world:
         log.info(
