@@ -361,6 +361,16 @@ def _failures(exc: BaseException) -> list[BaseException]:
     return [exc, *(e for e in inner if isinstance(e, BaseException))]
 
 
+def _cause(exc: BaseException) -> str:
+    """What went wrong, without a traceback: a DCP CheckpointException's message is each rank's
+    whole traceback; its wrapped exceptions' own messages say it."""
+    inner = _failures(exc)[1:]
+    if not inner:
+        return str(exc)
+    said = dict.fromkeys(f"{type(e).__name__}: {str(e).strip().rstrip('.')}" for e in inner)
+    return "; ".join(" ".join(text.split()) for text in said)
+
+
 def _disk_full(errors: list[BaseException], directory: Path) -> str | None:
     """Why a failed save is a full disk (None: it is not). Checked before the temp dir goes."""
     causes = [c.errno for e in errors if (c := os_error_cause(e)) is not None]
@@ -475,7 +485,7 @@ def load_latest(
         raise
     except (Exception, CheckpointException) as err:  # name the checkpoint and the likely cause
         raise CheckpointError(
-            f"cannot load checkpoint {path} on rank {_rank()}: {err}. It was written by "
+            f"cannot load checkpoint {path} on rank {_rank()}: {_cause(err)}. It was written by "
             f"{_saved_world(path)} ranks; resume needs the same model, pipeline and expert "
             "layout (the trainer's data-parallel size may differ)"
         ) from err

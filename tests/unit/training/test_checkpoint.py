@@ -163,3 +163,20 @@ def test_a_plain_torch_optimizer_is_refused_by_name(tmp_path: Path) -> None:
         checkpoint.save(
             tmp_path, step=1, model=model, optimizer=torch.optim.AdamW(model.parameters())
         )
+
+
+def test_a_checkpoint_missing_a_tensor_is_one_line_naming_it(tmp_path: Path) -> None:
+    """A model with a tensor the checkpoint lacks: DCP raises each rank's whole traceback; the
+    error says the wrapped cause on one line."""
+    import pytest
+
+    from primus_v4.errors import CheckpointError
+
+    train(make_state(), 0, 3, CheckpointManager(tmp_path, interval=3))
+    state = make_state(seed=5)
+    state["model"].add_module("extra", nn.Linear(2, 2))
+    with pytest.raises(CheckpointError) as err:
+        CheckpointManager(tmp_path, interval=3).load_latest(**state)
+    message = str(err.value)
+    assert "Traceback" not in message and "\n" not in message, message
+    assert "extra.weight" in message, message
