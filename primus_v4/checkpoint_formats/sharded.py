@@ -39,7 +39,7 @@ from primus_v4.checkpoint_formats.fp8_fp4 import (
     quantize_fp8,
     work_dtype,
 )
-from primus_v4.checkpoint_formats.read_record import open_record
+from primus_v4.checkpoint_formats.read_record import ReadRecord, open_record
 from primus_v4.checkpoint_formats.safetensors_io import (
     ShardWriter,
     StoredTensor,
@@ -256,14 +256,35 @@ class CheckpointReader:
         while done < len(view):
             n = os.preadv(fd, [view[done:]], stored.offset + start + done)
             if not n:
-                raise CheckpointFormatError(
-                    f"{self.directory / stored.shard}: ended inside a tensor at byte "
-                    f"{stored.offset + start + done} (the file shrank while being read)"
-                )
+                raise self._shrank(stored, stored.offset + start + done)
             done += n
         if self._record is not None:
             name = self._name_at[stored.shard, stored.offset]
             self._record.add(name, stored.shard, stored.offset + start, view)
+
+    def _shrank(self, stored: StoredTensor, at: int) -> CheckpointFormatError:
+        return CheckpointFormatError(
+            f"{self.directory / stored.shard}: ended inside a tensor at byte {at} (the file "
+            "shrank while being read)"
+        )
+
+    def carry_into(self, record: ReadRecord, name: str) -> None:
+        """Stored tensor `name` (a scale too) digested whole into `record.carried`, read a
+        piece of at most 16 MiB at a time (read_record.py); not counted in `bytes_read`:
+        nothing is loaded."""
+        stored = self._stored(name)
+        fd, end = self._fd(stored.shard), stored.offset + stored.nbytes
+
+        def pieces() -> Iterator[bytes]:
+            at = stored.offset
+            while at < end:
+                data = os.pread(fd, min(1 << 24, end - at), at)
+                if not data:
+                    raise self._shrank(stored, at)
+                at += len(data)
+                yield data
+
+        record.carry(name, stored.shard, stored.offset, pieces())
 
     def _raw(self, name: str) -> torch.Tensor:
         """A stored tensor as stored, in new memory."""

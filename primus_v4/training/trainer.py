@@ -205,9 +205,11 @@ class Trainer:
         model = model if model is not None else build_model(run)
         self._release_reads: ReadRecord | None = None
         self.model = self._parallelize(model)
-        self._check_release_reads()
         self._images_attached = False
         self._attach_images(self.corpus)
+        # the evaluation rows' pictures need the encoder too: read before the record is checked
+        self.evaluator = self._evaluator(eval_corpus)
+        self._check_release_reads()
         self.quant = self._quant_aware()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(
@@ -223,7 +225,6 @@ class Trainer:
         self.start_step = 0
         self.skipped_steps = 0
         self.stopped: tuple[int, str, Path | None, int | None] | None = None
-        self.evaluator = self._evaluator(eval_corpus)
 
     def _evaluator(self, corpus: Corpus | None) -> Any:
         """Held-out loss (primus_v4.training.evaluation); None without evaluation data."""
@@ -277,12 +278,15 @@ class Trainer:
 
     def _attach_images(self, corpus: Corpus) -> None:
         """The release's image encoder on the model, once, when `corpus` holds images
-        (`check_images` allowed them: a family with a vision tower, a release)."""
+        (`check_images` allowed them: a family with a vision tower, a release); its reads go
+        into the record of the release's reads, as the text model's do."""
         if not corpus.stats.get("images") or self._images_attached:
             return
         assert self.spec.attach_images is not None and self.cfg.model.pretrained is not None
-        how = self.spec.attach_images(self.model, self.cfg.model.pretrained,
-                                      device=self.runtime.device)  # fmt: skip
+        record = self._release_reads
+        with contextlib.nullcontext() if record is None else recording_reads(record):
+            how = self.spec.attach_images(self.model, self.cfg.model.pretrained,
+                                          device=self.runtime.device)  # fmt: skip
         self._images_attached = True
         log.info("image encoder of %s: %s", self.cfg.model.pretrained, how)
 
@@ -340,12 +344,17 @@ class Trainer:
         return load
 
     def _check_release_reads(self) -> None:
-        """A first start records what it read of model.pretrained; a resume is checked
-        against that record (training/checkpoint/release_reads.py)."""
+        """A first start records what it read of model.pretrained (the text model, a drafter
+        it trains, the image encoder) and digests the rest whole (what an export carries); a
+        resume reads and digests the same way and is checked against that record
+        (training/checkpoint/release_reads.py). Called once every read of the release is done."""
         record, root = self._release_reads, self.checkpoints.root if self.checkpoints else None
         if record is None or root is None:
             return
         release = self.cfg.model.pretrained
+        with self.spec.release.open(release) as reader:
+            release_reads.carry_unread(record, reader, rank=self.runtime.rank,
+                                       world=self.run.sizes.world)  # fmt: skip
         if self.resume_from is not None:
             release_reads.verify(root, release=release, record=record)
         else:

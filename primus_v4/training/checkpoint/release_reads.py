@@ -2,31 +2,45 @@
 
 A run from `model.pretrained` reads the release again when it resumes: the checkpoint holds the
 trained weights, not what stayed as released (frozen Engram tables, the Engram token map from the
-release's tokenizer, a base kept as released, a frozen LoRA base). So that a resume never pairs a
-checkpoint with another release, the first start of a run writes, per rank,
+release's tokenizer, a base kept as released, a frozen LoRA base, a frozen image encoder). So that
+a resume never pairs a checkpoint with another release, the first start of a run writes, per rank,
 `<checkpoint.dir>/release_reads/rank<NNNNN>.json`: the sha256 of the release's config.json and
-tokenizer files and, per stored tensor the rank read, the byte span and its digest
-(checkpoint_formats/read_record.py). A resume reads the same spans again and compares every span
-that a record of the first start also holds (all of them in the same layout; the overlap after
-a change of the parallel layout): one that differs is refused in one line naming the tensor.
+tokenizer files; per stored tensor the rank read (the text model's slice, a drafter it trains,
+the image encoder a run with pictures attaches), the byte span and its digest
+(checkpoint_formats/read_record.py); and, for every stored tensor that no rank read (a drafter
+the run does not train, an image encoder a text-only run leaves: what an export carries byte for
+byte), its digest whole, each rank digesting every world-th of them. Every tensor of the release
+is so in some rank's record. A resume reads and digests the same way and compares every span and
+every whole tensor that a record of the first start also holds (all of them in the same layout;
+the overlap after a change of the parallel layout): one that differs is refused in one line naming
+the tensor, before any step.
+
+The record is the run's own: its directory is created, and the records are read, without
+following a link planted there, and a record that is not a regular file, or not one this module
+wrote, is refused in one line naming it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from primus_v4.checkpoint_formats.read_record import ReadRecord
 from primus_v4.checkpoint_formats.sharded import CONFIG_FILE, tokenizer_files
 from primus_v4.durable import write_durable
-from primus_v4.errors import ResumeError
+from primus_v4.errors import PathError, ResumeError
 from primus_v4.log import get_logger
+from primus_v4.training.run_dirs import refuse_link
 
 log = get_logger(__name__)
 
 RECORD_DIR = "release_reads"
+SPAN = {"shard": str, "lo": int, "hi": int, "digest": str}  # a tensor's entry, by field
 
 
 def _record_path(root: Path, rank: int) -> Path:
@@ -39,58 +53,151 @@ def release_files(release: str | Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in paths if p.is_file()}
 
 
+def _read_anywhere(names: set[str]) -> set[str]:
+    """The stored tensors any rank read (`names`: this rank's; all of them with no process
+    group)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return names
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(names))
+    return names.union(*every)
+
+
+def carry_unread(record: ReadRecord, reader: Any, *, rank: int, world: int) -> int:
+    """Digest whole into `record.carried` this rank's share of the stored tensors of the release
+    `reader` opens that no rank read: every `world`-th of them in name order, from the `rank`-th
+    on (a collective when a process group is up: every rank calls it). Returns how many."""
+    unread = sorted(set(reader.stored_names()) - _read_anywhere(set(record.reads)))
+    for name in unread[rank::world]:
+        reader.carry_into(record, name)
+    return len(unread[rank::world])
+
+
+def _own_dir(root: Path) -> Path:
+    """`root`/release_reads, created where missing; a link or a non-directory standing there is
+    refused (PathError, one line), never followed."""
+    directory = root / RECORD_DIR
+    refuse_link(directory, "checkpoint.dir")
+    root.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):  # ours from an earlier start, or planted since
+        os.mkdir(directory)  # the check: the second check tells
+    refuse_link(directory, "checkpoint.dir")
+    if not stat.S_ISDIR(os.lstat(directory).st_mode):
+        raise PathError(f"checkpoint.dir {root}: {directory} is not a directory; refused, "
+                        "nothing written in it: remove it if it is not yours")  # fmt: skip
+    return directory
+
+
 def save(root: Path, *, rank: int, world: int, release: str | Path, record: ReadRecord) -> Path:
     """Write this rank's record of a first start (rank 0 also removes records of ranks past
     `world`, left by an earlier run in this checkpoint.dir)."""
+    directory = _own_dir(root)
     path = _record_path(root, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        for old in path.parent.glob("rank*.json"):
+        for old in directory.glob("rank*.json"):
             number = old.stem.removeprefix("rank")
             if number.isdigit() and int(number) >= world:
                 old.unlink(missing_ok=True)
     body = {"release": str(release), "files": release_files(release),
-            "tensors": record.as_json()}  # fmt: skip
+            "tensors": record.as_json(), "carried": record.carried_json()}  # fmt: skip
     write_durable(path, json.dumps(body, indent=1) + "\n")
+    log.info("model.pretrained=%s: %d tensors read and %d unread tensors digested whole, "
+             "recorded in %s", release, len(record.reads), len(record.carried), path)  # fmt: skip
     return path
 
 
+def _kind(path: Path, mode: int) -> str | None:
+    """What `path` is when it is not a regular file (None when it is one)."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return f"a symbolic link (to {os.readlink(path)})"
+    kinds = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+             stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}  # fmt: skip
+    return kinds.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _refused(path: Path, what: str) -> ResumeError:
+    return ResumeError(
+        f"{path}: not a record of the release this run started from ({what}); resume with the "
+        "record the run's first start wrote, or start a new run in another checkpoint.dir"
+    )
+
+
+def _read_text(path: Path) -> str:
+    """A record's text, never through a link nor from anything but a regular file (a FIFO
+    would block the open until a writer came)."""
+    try:
+        kind = _kind(path, os.lstat(path).st_mode)
+        if kind is None:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                kind = _kind(path, os.fstat(f.fileno()).st_mode)  # swapped since the lstat
+                if kind is None:
+                    return f.read().decode()
+    except (OSError, ValueError) as err:
+        raise _refused(path, f"unreadable: {err}") from None
+    raise _refused(path, f"it is {kind}")
+
+
+def _check_spans(path: Path, body: dict[str, Any], key: str) -> None:
+    """`body[key]`: {stored tensor: span}, each span checked field by field."""
+    spans = body[key]
+    if not isinstance(spans, dict):
+        raise _refused(path, f"'{key}' is not an object")
+    for name, span in spans.items():
+        if not isinstance(span, dict):
+            raise _refused(path, f"'{key}' entry '{name}' is not an object")
+        for field, kind in SPAN.items():
+            if not isinstance(span.get(field), kind) or isinstance(span.get(field), bool):
+                raise _refused(path, f"'{key}' entry '{name}' has no {kind.__name__} '{field}'")
+
+
+def _parsed(path: Path) -> dict[str, Any]:
+    try:
+        body = json.loads(_read_text(path))
+    except ValueError as err:
+        raise _refused(path, f"not JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise _refused(path, f"a JSON {type(body).__name__}, not an object")
+    for key in ("files", "tensors"):
+        if key not in body:
+            raise _refused(path, f"no '{key}'")
+    files = body["files"]
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise _refused(path, "'files' is not an object of digests")
+    body.setdefault("carried", {})  # a record written before unread tensors were digested
+    for key in ("tensors", "carried"):
+        _check_spans(path, body, key)
+    return body
+
+
 def _recorded(root: Path) -> list[tuple[Path, dict[str, Any]]]:
-    out = []
-    for path in sorted((root / RECORD_DIR).glob("rank*.json")):
-        try:
-            body = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ResumeError(f"{path}: unreadable record of the run's release ({err})") from None
-        out.append((path, body))
-    return out
+    directory = root / RECORD_DIR
+    try:
+        mode = os.lstat(directory).st_mode
+    except FileNotFoundError:
+        return []
+    if not stat.S_ISDIR(mode):
+        raise ResumeError(f"checkpoint.dir {root}: {directory} is {_kind(directory, mode)}, not "
+                          "the run's own record of its release; refused, nothing read through "
+                          "it")  # fmt: skip
+    return [(path, _parsed(path)) for path in sorted(directory.glob("rank*.json"))]
 
 
-def verify(root: Path, *, release: str | Path, record: ReadRecord) -> int:
-    """Raise ResumeError naming the first file or tensor of `release` that differs from what
-    the run's first start read; returns how many tensor spans were compared."""
-    recorded = _recorded(root)
-    if not recorded:
-        log.warning("%s: no record of the release this run started from (a checkpoint of an "
-                    "older version); model.pretrained=%s is read unchecked", root / RECORD_DIR,
-                    release)  # fmt: skip
-        return 0
-    first, body = recorded[0]
-    files = release_files(release)
-    for name, digest in body.get("files", {}).items():
-        if files.get(name) != digest:
-            how = "is missing" if name not in files else "differs"
-            raise ResumeError(
-                f"model.pretrained={release}: {name} {how} from the release this run started "
-                f"from ({body.get('release')}, recorded in {first}); resume with that release, "
-                "or start a new run in another checkpoint.dir"
-            )
+def _compare(
+    release: str | Path, recorded: list[tuple[Path, dict[str, Any]]], key: str, ours: dict
+) -> int:
+    """Compare this rank's spans `ours` with those under `key` of every record; returns how
+    many a record also holds."""
     spans = {}
     for path, rec in recorded:
-        for name, read in rec.get("tensors", {}).items():
+        for name, read in rec[key].items():
             spans[name, read["shard"], read["lo"], read["hi"]] = (read["digest"], path, rec)
     compared = 0
-    for name, read in sorted(record.as_json().items()):
+    for name, read in sorted(ours.items()):
         seen = spans.get((name, read["shard"], read["lo"], read["hi"]))
         if seen is None:
             continue
@@ -102,6 +209,31 @@ def verify(root: Path, *, release: str | Path, record: ReadRecord) -> int:
                 f"({seen[2].get('release')}, recorded in {seen[1]}); resume with that release, "
                 "or start a new run in another checkpoint.dir"
             )
-    log.info("model.pretrained=%s: %d of %d tensor reads match the release this run started "
-             "from (%s)", release, compared, len(record.reads), root / RECORD_DIR)  # fmt: skip
     return compared
+
+
+def verify(root: Path, *, release: str | Path, record: ReadRecord) -> int:
+    """Raise ResumeError naming the first file or tensor of `release` that differs from what
+    the run's first start read or digested whole; returns how many tensors were compared."""
+    recorded = _recorded(root)
+    if not recorded:
+        log.warning("%s: no record of the release this run started from (a checkpoint of an "
+                    "older version); model.pretrained=%s is read unchecked", root / RECORD_DIR,
+                    release)  # fmt: skip
+        return 0
+    first, body = recorded[0]
+    files = release_files(release)
+    for name, digest in body["files"].items():
+        if files.get(name) != digest:
+            how = "is missing" if name not in files else "differs"
+            raise ResumeError(
+                f"model.pretrained={release}: {name} {how} from the release this run started "
+                f"from ({body.get('release')}, recorded in {first}); resume with that release, "
+                "or start a new run in another checkpoint.dir"
+            )
+    read = _compare(release, recorded, "tensors", record.as_json())
+    whole = _compare(release, recorded, "carried", record.carried_json())
+    log.info("model.pretrained=%s: %d of %d tensor reads and %d of %d tensors digested whole "
+             "match the release this run started from (%s)", release, read, len(record.reads),
+             whole, len(record.carried), root / RECORD_DIR)  # fmt: skip
+    return read + whole
