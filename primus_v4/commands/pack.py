@@ -80,7 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--export-jsonl", type=Path, default=None, help="write one pack per line (integer lists)"
     )
     parser.add_argument(
-        "--strict", action="store_true", help="a bad row is an error naming its file and line"
+        "--strict",
+        action="store_true",
+        help="a bad row, or a picture of more than 8 bits per channel, is an error naming its "
+        "file and line",
     )
     parser.add_argument(
         "--special-tokens-in-text",

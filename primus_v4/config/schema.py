@@ -65,7 +65,8 @@ class DataConfig:
     tokenizer: str | None = None
     """Tokenizer dir or tokenizer.json; None = the DeepSeek-V4 tokenizer (offline)."""
     strict: bool = False
-    """Bad corpus rows become an error naming file and line instead of being counted."""
+    """Bad corpus rows, and pictures of more than 8 bits per channel, become an error naming
+    file and line instead of being counted."""
     special_tokens_in_text: Literal["keep", "warn", "error"] = "warn"
     """Special-token text inside message content (`<｜Assistant｜>`, `</think>`...), which
     encodes as the special token itself: counted in the pack stats and `keep` (silently),

@@ -351,8 +351,35 @@ def _read_hub(source: CorpusSource) -> Iterator[RawRow]:
             f"cannot load hub dataset {source.name!r} ({type(exc).__name__}: {exc}). Offline or "
             "misspelled? Pass a local .json/.jsonl/.parquet file, or --data synthetic"
         ) from exc
-    for i, row in enumerate(ds, start=1):
+    for i, row in enumerate(_undecoded(ds), start=1):
         yield _checked(f"hub dataset {source.name} row {i}", row)
+
+
+def _undecoded(ds: Any) -> Any:
+    """`ds` with every Image feature (nested in lists and structs too) left as its bytes and
+    path: `datasets` would decode a picture with every Pillow plugin (EPS runs Ghostscript);
+    undecoded, it reaches the image rows' own decoder, which opens still-image formats only
+    (data/images.py)."""
+    import dataclasses
+
+    import datasets
+
+    def plain(feature: Any) -> Any:
+        if isinstance(feature, datasets.Image):
+            return datasets.Image(mode=feature.mode, decode=False)
+        if isinstance(feature, dict):
+            return {key: plain(value) for key, value in feature.items()}
+        if isinstance(feature, list | tuple):
+            return [plain(value) for value in feature]
+        if dataclasses.is_dataclass(feature) and hasattr(feature, "feature"):
+            return dataclasses.replace(feature, feature=plain(feature.feature))
+        return feature
+
+    features = getattr(ds, "features", None)
+    if not features:
+        return ds
+    undecoded = datasets.Features({key: plain(value) for key, value in features.items()})
+    return ds if undecoded == features else ds.cast(undecoded)
 
 
 def read_rows(source: CorpusSource) -> list[RawRow]:

@@ -10,7 +10,9 @@ The shapes users bring (all read here, before `shapes` normalizes the row):
 
 An image is a local path (relative to the corpus file's directory), a `file://` URL, a base64
 `data:` URL, raw bytes, a hub `Image` feature (`{"bytes", "path"}` or a decoded picture). A URL
-of any other scheme is a bad row (`image_not_local`): packing never downloads. The text of a
+of any other scheme is a bad row (`image_not_local`): packing never downloads. A file is read as
+a PNG, JPEG, WebP, GIF, BMP or TIFF picture alone (`images.READ_FORMATS`); any other, EPS,
+PostScript and PDF included, is a bad row (`image_format`) whose decoder never runs. The text of a
 content list becomes one string: text parts joined by a blank line (as `shapes` joins them), each
 image part the V4.1 placeholder `<｜deepseek_image｜>` in its place, with nothing around it (ours:
 DeepSeek's encoder renders no content lists). The placeholder then tokenizes to the release's
@@ -30,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from primus_v4.data.images import ImageGrid, open_image, plan_grid
+from primus_v4.data.images import ImageFormatError, ImageGrid, open_image, plan_grid, read_picture
 from primus_v4.data.shapes import IMAGE_FIELDS, IMAGE_PARTS, MESSAGE_LISTS, BadRow
-from primus_v4.errors import DataError
+from primus_v4.errors import ConfigError, DataError
 
 PLACEHOLDER = "<｜deepseek_image｜>"
 """V4.1's image placeholder (its tokenizer's `image_token_id`, 129264 in the release)."""
@@ -71,8 +73,8 @@ def vision_of(release_dir: Path, chat_format: str) -> RowImages | None:
         raise DataError(f"{path}: vision_config without an image_token_id (got {token_id!r})")
     try:
         grid = ImageGrid.of(config)
-    except (TypeError, ValueError) as exc:
-        raise DataError(f"{path}: vision_config: {exc}") from None
+    except ConfigError as exc:  # a setting out of its bounds, named
+        raise DataError(f"{path}: {exc}") from None
     return RowImages(grid=grid, token_id=token_id)
 
 
@@ -86,6 +88,7 @@ class ImageSource:
     data: bytes | None  # inline bytes (data URLs, hub bytes); None for a path
     llm_h: int
     llm_w: int
+    bits: int = 8  # per channel as stored; above 8 the picture is counted (`images.channel_bits`)
 
     @property
     def span(self) -> int:
@@ -251,7 +254,8 @@ def _bytes_of(ref: Any, k: int, base: Path | None) -> tuple[str, Path | None, by
 
 def resolve_images(refs: list[Any], base: Path | None, grid: ImageGrid) -> list[ImageSource]:
     """Each ref read, decoded once (a corrupt file is found here), hashed and planned on the LLM
-    grid; raises BadRow `image_missing`, `image_unreadable` or `image_not_local` naming it."""
+    grid; raises BadRow `image_missing`, `image_unreadable`, `image_format` or `image_not_local`
+    naming it."""
     out = []
     for k, ref in enumerate(refs):
         picture = ref if hasattr(ref, "tobytes") and hasattr(ref, "mode") else None
@@ -275,7 +279,9 @@ def resolve_images(refs: list[Any], base: Path | None, grid: ImageGrid) -> list[
                 detail = exc.strerror or str(exc)
                 raise BadRow("image_unreadable", f"image {k + 1} ({path}): {detail}") from None
         try:
-            picture = open_image(picture if picture is not None else data)
+            picture, bits = read_picture(picture if picture is not None else data)
+        except ImageFormatError as exc:
+            raise BadRow("image_format", f"image {k + 1} ({name}): {exc}") from None
         except DataError as exc:
             raise BadRow("image_unreadable", f"image {k + 1} ({name}): {exc}") from None
         if data is None:  # a decoded picture: its pixels stand for the file
@@ -288,7 +294,7 @@ def resolve_images(refs: list[Any], base: Path | None, grid: ImageGrid) -> list[
         plan = plan_grid(picture.width, picture.height, grid)
         out.append(ImageSource(name=name, digest=digest, path=path,
                                data=None if path is not None else data,
-                               llm_h=plan.llm_h, llm_w=plan.llm_w))  # fmt: skip
+                               llm_h=plan.llm_h, llm_w=plan.llm_w, bits=bits))  # fmt: skip
     return out
 
 

@@ -20,6 +20,14 @@ The steps (DeepSeek-V4.1's inference/image_processor.py; the release's vision_co
 
 `image_patches` checks the golden patches of DeepSeek's code bit for bit
 (tests/unit/data/test_images.py).
+
+Pictures are read as data only: a file is opened by Pillow's PNG, JPEG, WebP, GIF (the first
+frame), BMP or TIFF reader (`READ_FORMATS`), decoders of Pillow's own or of its C libraries, and
+no other Pillow plugin is consulted. Any other file (EPS, PostScript, PDF, or a format whose
+plugin would start a program such as Ghostscript) is an `ImageFormatError`. A picture stored with
+more than 8 bits per channel (16-bit PNG or TIFF, Pillow's `I;16`, `I` and `F` modes) is converted
+as DeepSeek's processor converts it (`convert("RGB")`: 16-bit and float grey clip toward white);
+`read_picture` reports its depth so that packing can count it, warn, or refuse it under strict.
 """
 
 from __future__ import annotations
@@ -36,11 +44,33 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-from primus_v4.errors import DataError
+from primus_v4.errors import ConfigError, DataError
 
 GREY = (127, 127, 127)
 # token types of an image span (DeepSeek-V4.1: text is -1)
 TEXT, IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = -1, 0, 1, 2, 3
+READ_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+"""The picture formats read (Pillow's names); no other plugin is consulted for a file."""
+READ_NAMES = "PNG, JPEG, WebP, GIF, BMP and TIFF"
+# A decoded picture's format may also be JPEG's multi-picture variant (Pillow's JPEG reader).
+_DECODED_FORMATS = frozenset((*READ_FORMATS, "MPO"))
+# Headers named in the refusal of a file of another format (never handed to its plugin).
+_OTHER_HEADERS = ((b"%!", "PostScript/EPS"), (b"\xc5\xd0\xd3\xc6", "EPS"), (b"%PDF", "PDF"))
+GRID_BOUNDS = {"patch_size": 224, "downsample_ratio": 48, "max_image_tokens": 1 << 14,
+               "min_pixels": 16 * 295936, "max_wh_ratio": 1 << 14}  # fmt: skip
+"""Upper bounds of the image settings: about 16x DeepSeek-V4.1-Flash's (patch 14, downsample 3,
+1024 image tokens, 295936 pixels); max_wh_ratio (null in the release) is bounded as
+max_image_tokens is, no span being that many cells wide. A value above its bound is a typo or not
+this model."""
+MAX_PLAN_PIXELS = 16 * 1024 * 42**2
+"""The largest picture the settings may plan, max_image_tokens x (patch_size x downsample_ratio)^2
+pixels: 16x DeepSeek-V4.1-Flash's 1024 x 42^2 (about 174 MB of bf16 patches)."""
+_LOWEST = {"patch_size": 1, "downsample_ratio": 1, "max_image_tokens": 5, "min_pixels": 1}
+# (max_image_tokens: one cell is a start, the cell, a new line and an end)
+
+
+class ImageFormatError(DataError):
+    """A picture of a format that is not read (`READ_FORMATS`); its decoder was never run."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,14 +84,31 @@ class ImageGrid:
     max_wh_ratio: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("patch_size", "downsample_ratio", "min_pixels"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"vision_config.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_image_tokens < 5:  # one cell: start, cell, new line, end
-            raise ValueError(f"vision_config.max_image_tokens must be >= 5, got "
-                             f"{self.max_image_tokens}")  # fmt: skip
-        if self.max_wh_ratio is not None and self.max_wh_ratio <= 0:
-            raise ValueError(f"vision_config.max_wh_ratio must be > 0, got {self.max_wh_ratio}")
+        """Refuse a setting of the wrong type or out of its range before anything is sized by it
+        (ConfigError naming `vision_config.<field>`)."""
+        for name, lowest in _LOWEST.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"vision_config.{name} must be an integer, got {value!r}")
+            if value < lowest:
+                raise ConfigError(f"vision_config.{name} must be >= {lowest}, got {value}")
+            _bounded(name, value)
+        ratio = self.max_wh_ratio
+        if ratio is not None:
+            if (not isinstance(ratio, int | float) or isinstance(ratio, bool)
+                    or not math.isfinite(ratio) or ratio <= 0):  # fmt: skip
+                raise ConfigError(
+                    f"vision_config.max_wh_ratio must be a number > 0 or null, got {ratio!r}"
+                )
+            _bounded("max_wh_ratio", ratio)
+        pixels = self.max_image_tokens * (self.patch_size * self.downsample_ratio) ** 2
+        if pixels > MAX_PLAN_PIXELS:
+            raise ConfigError(
+                f"vision_config: max_image_tokens={self.max_image_tokens} of cells of "
+                f"(patch_size={self.patch_size} x downsample_ratio={self.downsample_ratio})^2 "
+                f"pixels plan pictures of {pixels} pixels, above the bound {MAX_PLAN_PIXELS} "
+                "(16x DeepSeek-V4.1-Flash's)"
+            )
 
     @classmethod
     def of(cls, config: Any) -> ImageGrid:
@@ -76,6 +123,15 @@ class ImageGrid:
         names = ("patch_size", "downsample_ratio", "max_image_tokens", "min_pixels",
                  "max_wh_ratio")  # fmt: skip
         return cls(**{n: vision[n] for n in names if n in vision})
+
+
+def _bounded(name: str, value: float) -> None:
+    bound = GRID_BOUNDS[name]
+    if value > bound:
+        raise ConfigError(
+            f"vision_config.{name}={value} is above its bound {bound} (about 16x "
+            "DeepSeek-V4.1-Flash's; a size this large is a typo or not this model)"
+        )
 
 
 @dataclass(frozen=True)
@@ -143,21 +199,86 @@ def plan_grid(width: int, height: int, config: Any) -> GridPlan:
     return GridPlan(llm_h=llm_h, llm_w=llm_w, height=best_h, width=best_w)
 
 
-def open_image(image: Any, *, where: str = "") -> Any:
-    """A PIL image in RGB from a PIL image, a path, or the file's bytes; a missing or unreadable
-    file is a DataError naming it (and `where`, e.g. the row)."""
-    from PIL import Image, UnidentifiedImageError
+def channel_bits(picture: Any) -> int:
+    """Bits per channel of a picture as its file stores them, before any conversion: 32 for
+    Pillow's `I` and `F` modes, 16 for `I;16*`, a 16-bit PNG (Pillow reads 16-bit RGB(A) as its
+    8-bit high bytes) or a TIFF of 16-bit samples; 8 for anything of 8 bits or fewer."""
+    mode = picture.mode
+    if mode in ("I", "F"):
+        return 32
+    if mode.startswith("I;16"):
+        return 16
+    bits = 8
+    if picture.format == "PNG":  # the raw mode of a picture not yet decoded: "RGB;16B"
+        raw = [t.args for t in getattr(picture, "tile", ()) if isinstance(t.args, str)]
+        bits = 16 if any(r.endswith(";16B") for r in raw) else bits
+    elif picture.format == "TIFF":
+        samples = getattr(picture, "tag_v2", {}).get(258, ())  # BitsPerSample
+        samples = samples if isinstance(samples, tuple) else (samples,)
+        bits = max([bits, *(b for b in samples if isinstance(b, int))])
+    return bits
 
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
+
+def _refusal(fmt: str | None) -> str:
+    return f"{fmt + ', ' if fmt else ''}a format not read (only {READ_NAMES} pictures are read)"
+
+
+def _other_format(image: Any) -> str | None:
+    """The format of a file no reader of `READ_FORMATS` took, when its header names one."""
+    try:
+        if isinstance(image, bytes | bytearray):
+            head = bytes(image[:8])
+        else:
+            with Path(image).open("rb") as f:
+                head = f.read(8)
+    except OSError:
+        return None
+    return next((name for start, name in _OTHER_HEADERS if head.startswith(start)), None)
+
+
+def _pillow() -> Any:
+    """Pillow's Image module with the readers of `READ_FORMATS` registered (so that opening a
+    file with them alone never makes Pillow import every plugin)."""
+    import importlib
+
+    from PIL import Image
+
+    for module in ("Png", "Jpeg", "WebP", "Gif", "Bmp", "Tiff"):
+        importlib.import_module(f"PIL.{module}ImagePlugin")
+    return Image
+
+
+def read_picture(image: Any, *, where: str = "") -> tuple[Any, int]:
+    """(the picture in RGB, its bits per channel as stored: `channel_bits`) of a PIL image, a
+    path, or the file's bytes. A file is opened by the readers of `READ_FORMATS` alone; another
+    format (a decoded picture's too) is an ImageFormatError and a missing or unreadable file a
+    DataError, each naming it (and `where`, e.g. the row)."""
+    from PIL import UnidentifiedImageError
+
+    pil = _pillow()
     name = "<bytes>" if isinstance(image, bytes | bytearray) else str(image)
+    at = f" ({where})" if where else ""
+    if isinstance(image, pil.Image):
+        if image.format is not None and image.format not in _DECODED_FORMATS:
+            raise ImageFormatError(f"image <picture>{at}: {_refusal(image.format)}")
+        bits = channel_bits(image)  # before the conversion decodes it
+        return image.convert("RGB"), bits
     try:
         source = io.BytesIO(image) if isinstance(image, bytes | bytearray) else Path(image)
-        with Image.open(source) as opened:
-            return opened.convert("RGB")
-    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
-        at = f" ({where})" if where else ""
+        formats = [f for f in READ_FORMATS if f in pil.OPEN]  # never Image.init()'s others
+        with pil.open(source, formats=formats) as opened:
+            bits = channel_bits(opened)  # before the conversion decodes it
+            return opened.convert("RGB"), bits
+    except UnidentifiedImageError:
+        detail = _refusal(_other_format(image))
+        raise ImageFormatError(f"image {name}{at}: cannot read it as a picture: {detail}") from None
+    except (OSError, ValueError, pil.DecompressionBombError) as exc:
         raise DataError(f"image {name}{at}: cannot read it as a picture: {exc}") from None
+
+
+def open_image(image: Any, *, where: str = "") -> Any:
+    """A PIL image in RGB from a PIL image, a path, or the file's bytes (`read_picture`)."""
+    return read_picture(image, where=where)[0]
 
 
 def image_patches(

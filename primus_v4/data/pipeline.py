@@ -25,7 +25,14 @@ from primus_v4.data.images import IMAGE_START, TEXT
 from primus_v4.data.mixing import SourceSpec, integral, parse_sources, weighted_samples
 from primus_v4.data.packed_corpus import PackedCorpus
 from primus_v4.data.packing import ALGORITHMS, MAX_SEQ_LENGTH, pack, segment_cap
-from primus_v4.data.templates import BAD_EXAMPLES, CHAT_MODES, FORMATS, TEMPLATE_ID, render
+from primus_v4.data.templates import (
+    BAD_EXAMPLES,
+    CHAT_MODES,
+    FORMATS,
+    TEMPLATE_ID,
+    above_8_bit_note,
+    render,
+)
 from primus_v4.data.tokenizer import (
     TextTokenizer,
     load_tokenizer,
@@ -248,7 +255,24 @@ def _source_info(
         "bad_examples": r.bad_examples,
         "chat_modes": r.modes,
         "special_tokens_in_text": special.as_stats(),
+        **(_above_8_bit_of(r) if r.token_types is not None else {}),  # with a vision tower
     }
+
+
+def _above_8_bit_of(r: Any) -> dict[str, Any]:
+    return {"images_above_8_bit": r.images_above_8_bit,
+            "first_image_above_8_bit": r.first_image_above_8_bit}  # fmt: skip
+
+
+def _above_8_bit(info: list[dict[str, Any]]) -> dict[str, Any]:
+    """The stats of pictures above 8 bits per channel over the sources (none without a vision
+    tower): their count, and the first's row and name when there is one."""
+    counted = [i for i in info if "images_above_8_bit" in i]
+    if not counted:
+        return {}
+    first = next((i["first_image_above_8_bit"] for i in counted if i["images_above_8_bit"]), "")
+    return {"images_above_8_bit": sum(i["images_above_8_bit"] for i in counted),
+            **({"first_image_above_8_bit": first} if first else {})}  # fmt: skip
 
 
 def _image_base(src: CorpusSource) -> Path | None:
@@ -497,6 +521,7 @@ def _build(
             k: sum(i["special_tokens_in_text"][k] for i in table.info)
             for k in ("rows", "occurrences")
         },
+        **_above_8_bit(table.info),
     )
     manifest = {"pad_id": tokenizer.special.pad, "stats": stats}
     if "token_types" in arrays:  # text alone, with a vision tower or not, has no image arrays
@@ -648,8 +673,17 @@ def _finish(
 
 
 def _check_strict(spec: PackSpec, corpus: PackedCorpus, key: str) -> None:
-    """--strict on a cache entry built without it: its recorded bad rows are an error."""
+    """--strict on a cache entry built without it: its recorded bad rows, and pictures above 8
+    bits per channel, are an error."""
     bad = corpus.stats.get("bad_rows") or {}
+    above = corpus.stats.get("images_above_8_bit") or 0
+    if spec.strict and above:
+        first = corpus.stats.get("first_image_above_8_bit", "?")
+        raise DataError(
+            f"--strict: the cached packs {key} of {spec.describe()} hold "
+            f"{above_8_bit_note(above, first)}. Convert them to 8 bits or drop "
+            f"{spec.knob('strict')}"
+        )
     if not spec.strict or not bad:
         return
     first = "; ".join(
@@ -664,6 +698,11 @@ def _check_strict(spec: PackSpec, corpus: PackedCorpus, key: str) -> None:
 
 def _hit(spec: PackSpec, corpus: PackedCorpus, key: str, t0: float) -> PackedCorpus:
     _check_strict(spec, corpus, key)
+    above = corpus.stats.get("images_above_8_bit")
+    if above:  # said at build time; said again on a hit
+        first = corpus.stats.get("first_image_above_8_bit", "?")
+        note = above_8_bit_note(above, first)
+        log.warning("%s: %s; %s refuses them", spec.describe(), note, spec.knob("strict"))
     for source in corpus.stats.get("sources", []):  # said at build time; said again on a hit
         special_text.apply_policy(source.get("special_tokens_in_text", {}),
                                   spec.special_tokens_in_text, where=source["path"],

@@ -19,6 +19,11 @@ def _special(counts: dict[str, int] | None) -> str:
     return f"{counts['rows']} ({counts['occurrences']} occurrences)"
 
 
+def _above_8_bit(stats: dict[str, Any]) -> str:
+    first = stats.get("first_image_above_8_bit")
+    return f"{stats['images_above_8_bit']}" + (f" (first: {first})" if first else "")
+
+
 def summary_table(stats: dict[str, Any]) -> str:
     """A pack's statistics as aligned `name  value` lines (`primus-v4 pack`, the trainer's log)."""
     rows = [
@@ -59,6 +64,7 @@ def summary_table(stats: dict[str, Any]) -> str:
             if "images" in stats
             else []
         ),
+        *([("images above 8 bits", _above_8_bit(stats))] if "images_above_8_bit" in stats else []),
         (
             "packs with no sample of 128+ tokens",
             stats.get("packs_without_128_window", ""),

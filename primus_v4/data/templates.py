@@ -65,6 +65,8 @@ BAD_REASONS = {
     "image_count": "the conversation's image placeholders and its images do not match",
     "image_missing": "an image file that does not exist",
     "image_unreadable": "an image that is not a readable picture (corrupt, too large, bad base64)",
+    "image_format": "an image of a format not read (PNG, JPEG, WebP, GIF, BMP, TIFF are; EPS, "
+    "PostScript and PDF are not)",
     "image_not_local": "an image URL that is not a local file (packing never downloads)",
     "bad_tools": "tools are not a list of function schemas",
     "bad_tool_call": "a tool call has no name or unusable arguments",
@@ -93,6 +95,10 @@ class Rendered:
     token_types: np.ndarray | None = None  # int8 [T]
     images: tuple[ImageSource, ...] = ()
     image_counts: np.ndarray | None = None  # int64 [N]
+    # Pictures of the rendered rows stored with more than 8 bits per channel (converted as
+    # DeepSeek's processor converts them), and the first: "<file line>: image k (<name>): ...".
+    images_above_8_bit: int = 0
+    first_image_above_8_bit: str = ""
 
 
 def resolve_format(rows: Sequence[RawRow], fmt: str, where: str) -> str:
@@ -163,6 +169,8 @@ class _Collected:
     examples: list[dict[str, str]] = field(default_factory=list)
     modes: Counter[str] = field(default_factory=Counter)
     images: list[list[ImageSource]] = field(default_factory=list)  # per sample
+    above_8_bit: int = 0
+    first_above_8_bit: str = ""
 
 
 def _row_with_images(
@@ -244,12 +252,40 @@ def _collect(
                     {"where": row.where, "reason": exc.reason, "detail": exc.detail}
                 )
             continue
+        _count_above_8_bit(out, row.where, max(images, key=len, default=[]), strict, strict_knob)
         out.modes[mode] += 1
         for (text, spans), sample_images in zip(samples, images, strict=True):
             out.rows.append(index)
             out.images.append(sample_images)
             _add_sample(out, text, spans, split_ok=split_ok)
     return out
+
+
+def above_8_bit_note(count: int, first: str) -> str:
+    """What is said of pictures above 8 bits per channel (the warning, a cache hit's refusal
+    under strict)."""
+    return (
+        f"{count} picture{'s' if count != 1 else ''} of more than 8 bits per channel, converted "
+        "to 8-bit RGB as DeepSeek-V4.1's processor converts them (16-bit and float grey clip "
+        f"toward white); first: {first}"
+    )
+
+
+def _count_above_8_bit(
+    out: _Collected, where: str, images: list[ImageSource], strict: bool, strict_knob: str
+) -> None:
+    """Count a row's pictures above 8 bits per channel (DataError naming the first if strict)."""
+    for k, image in enumerate(images):
+        if image.bits <= 8:
+            continue
+        said = f"{where}: image {k + 1} ({image.name}): {image.bits} bits per channel"
+        if strict:
+            raise DataError(
+                f"{said}, above the 8 bits a picture is read with (DeepSeek-V4.1's processor "
+                f"converts it to 8-bit RGB); convert it to 8 bits or drop {strict_knob}"
+            )
+        out.above_8_bit += 1
+        out.first_above_8_bit = out.first_above_8_bit or said
 
 
 def _encode_whole(
@@ -392,6 +428,9 @@ def render(
             dict(out.bad),
             first,
         )
+    if out.above_8_bit:
+        note = above_8_bit_note(out.above_8_bit, out.first_above_8_bit)
+        log.warning("%s: %s; %s refuses them", where, note, strict_knob)
     if out.modes.get(CHAT_WITHOUT_REASONING):
         log.warning(
             "%s: %d rows carry reasoning_content that chat mode does not render (as served in "
@@ -429,4 +468,6 @@ def render(
         token_types=token_types,
         images=tuple(image for sample in out.images for image in sample),
         image_counts=counts,
+        images_above_8_bit=out.above_8_bit,
+        first_image_above_8_bit=out.first_above_8_bit,
     )
