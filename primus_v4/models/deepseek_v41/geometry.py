@@ -20,6 +20,17 @@ from primus_v4.models.model_spec import GeometrySpec
 
 LAYER_KINDS = {0: "window", 2: "ratio2", 1: "ratio1"}
 VISION_TRAIN = ("frozen", "aligner", "all")
+VISION_SIZE_BOUNDS = {
+    "num_hidden_layers": 16 * 32, "hidden_size": 16 * 1024, "num_attention_heads": 16 * 16,
+    "intermediate_size": 16 * 2816, "patch_size": 16 * 14, "downsample_ratio": 16 * 3,
+}  # fmt: skip
+"""Upper bounds of the image encoder's sizes (`vision_config` keys): 16x DeepSeek-V4.1-Flash's
+(32 blocks of width 1024, 16 heads, MLP 2816, 14-pixel patches, 3 x 3 aligner cells); the
+patch and cell sides size the patch embedding (3 p^2 -> width) and the aligner (width r^2 ->
+the language model's width). A size this large is a typo or not this model, and fails before
+the encoder is allocated."""
+VISION_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size")
+"""The sizes a `vision_config` must give (vision.py's `VisionSizes.of` reads them)."""
 
 
 @dataclass(kw_only=True)
@@ -171,6 +182,8 @@ class DeepseekV41Fields(DeepseekV4Fields):
                 "image encoder): the model has no image encoder (no vision_config: a release's "
                 "config.json holds it beside text_config)"
             )
+        if self.vision_config is not None:
+            check_vision_sizes(self.vision_config)
 
     def _validate_dspark(self) -> None:
         if self.dspark_train not in ("off", "joint", "only"):
@@ -243,6 +256,30 @@ class DeepseekV41Fields(DeepseekV4Fields):
 
     def layer_kind(self, layer: int) -> str:
         return LAYER_KINDS[self.compress_ratios[layer]]
+
+
+def check_vision_sizes(vision: Any, *, source: str = "model config") -> None:
+    """Refuse an image encoder size (`VISION_SIZE_BOUNDS`) that is not an integer >= 1 or is
+    above its bound, and a missing one of `VISION_REQUIRED`, naming `vision_config.<key>`; an
+    empty mapping is no image encoder."""
+    if not isinstance(vision, dict):
+        raise ConfigError(f"{source}: vision_config must be a mapping, got {vision!r:.80}")
+    for key, bound in VISION_SIZE_BOUNDS.items():
+        if key not in vision:
+            continue
+        value = vision[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{source}: vision_config.{key} must be an integer >= 1, got "
+                              f"{value!r}")  # fmt: skip
+        if value > bound:
+            raise ConfigError(
+                f"{source}: vision_config.{key}={value} is above its bound {bound} (about 16x "
+                "DeepSeek-V4.1-Flash's; a size this large is a typo or not this model)"
+            )
+    missing = [key for key in VISION_REQUIRED if key not in vision]
+    if vision and missing:
+        raise ConfigError(f"{source}: vision_config has no {', '.join(missing)} (the image "
+                          f"encoder's sizes: {', '.join(VISION_REQUIRED)})")  # fmt: skip
 
 
 @dataclass(kw_only=True)

@@ -15,8 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from primus_v4.errors import CheckpointFormatError, ConfigError
-from primus_v4.models.deepseek_v41.geometry import DeepseekV41Geometry
+from primus_v4.errors import CheckpointFormatError, ConfigError, ExitCode
+from primus_v4.models.deepseek_v41.geometry import (
+    VISION_SIZE_BOUNDS,
+    DeepseekV41Geometry,
+    check_vision_sizes,
+)
 from primus_v4.models.deepseek_v41.release import config_json
 from primus_v4.models.deepseek_v41.release.load import load_pretrained
 
@@ -193,6 +197,21 @@ def test_a_bad_tail_in_a_preset_release_is_a_config_error(tmp_path: Path) -> Non
     assert "\n" not in str(err.value)
 
 
+def _dry_run_of(tmp_path: Path, config: dict, capsys) -> tuple[int, str]:
+    """(exit code, stderr) of `train --dry-run` on a release holding `config` as its config.json
+    alone; the run's output dir is never made."""
+    from primus_v4.cli import main
+
+    release = tmp_path / "big"
+    release.mkdir()
+    (release / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "o"
+    code = main(["train", "--dry-run", "--set", "model.preset=null", "--set",
+                 f"model.pretrained={release}", "--set", f"output.dir={out}"])  # fmt: skip
+    assert not out.exists()
+    return code, capsys.readouterr().err.strip()
+
+
 @pytest.mark.parametrize(
     "key,value",
     [("engram_num_embeddings", [10**11, 864]), ("engram_vocab_size", 10**12),
@@ -200,17 +219,34 @@ def test_a_bad_tail_in_a_preset_release_is_a_config_error(tmp_path: Path) -> Non
 )  # fmt: skip
 def test_a_huge_size_in_a_release_is_refused_by_the_dry_run(tmp_path: Path, capsys, key, value):
     """Before anything is packed or allocated (a 1e11-row Engram table would be 6.4 TB)."""
-    from primus_v4.cli import main
-
-    release = tmp_path / "big"
-    release.mkdir()
     config = _config()
     config["text_config"][key] = value
-    (release / "config.json").write_text(json.dumps(config))
-    out = tmp_path / "o"
-    code = main(["train", "--dry-run", "--set", "model.preset=null", "--set",
-                 f"model.pretrained={release}", "--set", f"output.dir={out}"])  # fmt: skip
-    err = capsys.readouterr().err.strip()
+    code, err = _dry_run_of(tmp_path, config, capsys)
     assert code != 0 and "\n" not in err, err
     shown = max(value) if isinstance(value, list) else value
     assert f"{key}={shown} is above its bound" in err, err
+
+
+@pytest.mark.parametrize("key", list(VISION_SIZE_BOUNDS))
+def test_a_huge_vision_size_in_a_release_is_refused_by_the_dry_run(
+    tmp_path: Path, capsys, key: str
+) -> None:
+    """vision_config.hidden_size 2**30 passed the dry run; the run then failed (exit 70) at a
+    2.5 TB allocation of the image encoder, after packing. On a copy of the published Flash
+    config (which a dry run plans: test_a_copy_of_the_published_config_alone_plans_a_dry_run),
+    each of the encoder's sizes at 2**30 is one line naming it."""
+    config = _config(FLASH)
+    config["vision_config"][key] = 2**30
+    code, err = _dry_run_of(tmp_path, config, capsys)
+    assert code == ExitCode.PRETRAINED and "\n" not in err, err
+    bound = VISION_SIZE_BOUNDS[key]
+    assert f"model config: vision_config.{key}={2**30} is above its bound {bound} (" in err, err
+
+
+def test_the_published_vision_sizes_pass_and_each_bound_is_16x_flash() -> None:
+    vision = _config(FLASH)["vision_config"]
+    assert {k: 16 * vision[k] for k in VISION_SIZE_BOUNDS} == VISION_SIZE_BOUNDS
+    g = DeepseekV41Geometry.preset("deepseek_v41_flash")
+    assert g.vision_config == vision
+    check_vision_sizes(vision)
+    check_vision_sizes({**vision, **VISION_SIZE_BOUNDS})  # every size at its bound
