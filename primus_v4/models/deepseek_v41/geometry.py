@@ -260,8 +260,9 @@ class DeepseekV41Fields(DeepseekV4Fields):
 
 def check_vision_sizes(vision: Any, *, source: str = "model config") -> None:
     """Refuse an image encoder size (`VISION_SIZE_BOUNDS`) that is not an integer >= 1 or is
-    above its bound, and a missing one of `VISION_REQUIRED`, naming `vision_config.<key>`; an
-    empty mapping is no image encoder."""
+    above its bound, a missing one of `VISION_REQUIRED`, and a width its heads do not split into
+    a head dim that is a multiple of 4, naming `vision_config.<key>`; an empty mapping is no
+    image encoder."""
     if not isinstance(vision, dict):
         raise ConfigError(f"{source}: vision_config must be a mapping, got {vision!r:.80}")
     for key, bound in VISION_SIZE_BOUNDS.items():
@@ -280,6 +281,11 @@ def check_vision_sizes(vision: Any, *, source: str = "model config") -> None:
     if vision and missing:
         raise ConfigError(f"{source}: vision_config has no {', '.join(missing)} (the image "
                           f"encoder's sizes: {', '.join(VISION_REQUIRED)})")  # fmt: skip
+    width, heads = vision.get("hidden_size"), vision.get("num_attention_heads")
+    if width and heads and (width % heads or (width // heads) % 4):
+        raise ConfigError(f"{source}: vision_config.hidden_size {width} over "
+                          f"num_attention_heads {heads} must give a head dim that is a multiple "
+                          "of 4 (the encoder's 2-D rotary)")  # fmt: skip
 
 
 @dataclass(kw_only=True)

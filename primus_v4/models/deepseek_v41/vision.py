@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from primus_v4.errors import CheckpointFormatError
+from primus_v4.models.deepseek_v41.geometry import check_vision_sizes
 
 NORM_EPS = 1e-6
 SPAN_VECTORS = ("image_start", "image_newline", "image_end")
@@ -53,17 +54,12 @@ class VisionSizes:
     downsample: int = 3
     text_width: int
 
-    def __post_init__(self) -> None:
-        if self.width % self.heads or (self.width // self.heads) % 4:
-            raise ValueError(
-                f"vision_config: hidden_size {self.width} over {self.heads} heads must give a "
-                "head dim that is a multiple of 4 (2-D rotary)"
-            )
-
     @classmethod
-    def of(cls, config: dict[str, Any]) -> VisionSizes:
-        """From a release's config.json (its `vision_config` and `text_config`)."""
-        vision = config["vision_config"]
+    def of(cls, config: dict[str, Any], *, source: str = "config.json") -> VisionSizes:
+        """From a release's config.json (its `vision_config` and `text_config`), its sizes
+        checked first (`check_vision_sizes`: bounded, required, heads that split the width)."""
+        vision = config.get("vision_config")
+        check_vision_sizes(vision, source=source)
         text = config.get("text_config", config)
         return cls(layers=vision["num_hidden_layers"], width=vision["hidden_size"],
                    heads=vision["num_attention_heads"], ffn=vision["intermediate_size"],

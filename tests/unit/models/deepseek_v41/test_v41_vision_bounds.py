@@ -80,3 +80,22 @@ def test_an_override_above_its_bound_is_one_line_from_the_dry_run(
     assert code == ExitCode.CONFIG and "\n" not in err, err
     assert f"vision_config.hidden_size={2**30} is above its bound 16384" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("width", "heads"), [(1000, 16), (1024, 200), (1032, 8)])
+def test_a_width_its_heads_do_not_split_is_refused_before_the_encoder_is_built(
+    width: int, heads: int
+) -> None:
+    """The encoder's 2-D rotary needs a head dim that is a multiple of 4: refused in the model
+    config (the dry run) and when an encoder is read from a release, never a ValueError (exit
+    70) at the build."""
+    from primus_v4.models.deepseek_v41.vision import VisionSizes
+
+    vision = {**FLASH, "hidden_size": width, "num_attention_heads": heads}
+    message = (f"vision_config.hidden_size {width} over num_attention_heads {heads} must give a "
+               "head dim that is a multiple of 4")  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        DeepseekV41Geometry.preset("tiny_v41", vision_config=vision)
+    with pytest.raises(ConfigError, match=f"^config.json: {message}"):
+        VisionSizes.of({"vision_config": vision, "hidden_size": 64})
+    assert VisionSizes.of({"vision_config": FLASH, "hidden_size": 64}).width == 1024
