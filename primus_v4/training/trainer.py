@@ -346,8 +346,9 @@ class Trainer:
     def _check_release_reads(self) -> None:
         """A first start records what it read of model.pretrained (the text model, a drafter
         it trains, the image encoder) and digests the rest whole (what an export carries); a
-        resume reads and digests the same way and is checked against that record
-        (training/checkpoint/release_reads.py). Called once every read of the release is done."""
+        resume reads and digests the same way and is checked against that record (the one its
+        checkpoint carries; training/checkpoint/release_reads.py), and every step saved carries
+        it on. Called once every read of the release is done."""
         record, root = self._release_reads, self.checkpoints.root if self.checkpoints else None
         if record is None or root is None:
             return
@@ -355,11 +356,15 @@ class Trainer:
         with self.spec.release.open(release) as reader:
             release_reads.carry_unread(record, reader, rank=self.runtime.rank,
                                        world=self.run.sizes.world)  # fmt: skip
+        rank, world = self.runtime.rank, self.run.sizes.world
         if self.resume_from is not None:
-            release_reads.verify(root, release=release, record=record)
+            release_reads.verify(root, release=release, record=record, step=self.resume_from)
         else:
-            release_reads.save(root, rank=self.runtime.rank, world=self.run.sizes.world,
-                               release=release, record=record)  # fmt: skip
+            release_reads.save(root, rank=rank, world=world, release=release, record=record)
+        # every step the run saves carries the records: a step copied elsewhere is checked alike
+        self.checkpoints.rank_files.update(
+            release_reads.step_files(root, rank=rank, world=world, step=self.resume_from)
+        )
 
     def _context_parallel(self) -> Any:
         """The one path from a pack to model inputs, for every CP size: this rank's contiguous

@@ -218,6 +218,7 @@ class RunCheckpoints(CheckpointManager):
         self.files = {CONFIG_FILE: dump_yaml(cfg)}
         if model is not None:
             self.files[MODEL_CONFIG_FILE] = model_config_text(model)
+        self.rank_files: dict[str, str] = {}  # this rank's own files in every step it saves
         self._resume_from: Any = _UNSET
 
     def resume_point(self) -> Path | None:
@@ -245,7 +246,8 @@ class RunCheckpoints(CheckpointManager):
         return path
 
     def maybe_save(self, step: int, *, final: bool = False, **state: Any) -> Path | None:
-        path = super().maybe_save(step, final=final, extra_files=self.files, **state)
+        path = super().maybe_save(step, final=final, extra_files=self.files,
+                                  rank_files=self.rank_files, **state)  # fmt: skip
         if path is not None:
             integrity.prune(self.root, self.keep_last, newest=path)
         return path

@@ -40,6 +40,9 @@ from primus_v4.training.run_dirs import refuse_link
 log = get_logger(__name__)
 
 RECORD_DIR = "release_reads"
+STEP_RECORD = "release_reads.rank{:05d}.json"
+"""A record as every checkpoint step carries it (in its manifest): a step copied to another
+checkpoint.dir is checked against the release as a resume in place is."""
 SPAN = {"shard": str, "lo": int, "hi": int, "digest": str}  # a tensor's entry, by field
 
 
@@ -174,7 +177,24 @@ def _parsed(path: Path) -> dict[str, Any]:
     return body
 
 
-def _recorded(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+def _in_step(step: Path | None) -> list[Path]:
+    if step is None:
+        return []
+    return sorted(p for p in step.glob(STEP_RECORD.replace("{:05d}", "*")) if _rank_of(p) >= 0)
+
+
+def _rank_of(path: Path) -> int:
+    """The first start's rank a record file is of (-1: not a record's name)."""
+    number = path.name.removesuffix(".json").rpartition("rank")[2]
+    return int(number) if number.isdigit() else -1
+
+
+def _recorded(root: Path, step: Path | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """The records of the run's first start: those the resumed checkpoint `step` carries, else
+    those in `root`/release_reads (a step saved before steps carried them)."""
+    carried = _in_step(step)
+    if carried:
+        return [(path, _parsed(path)) for path in carried]
     directory = root / RECORD_DIR
     try:
         mode = os.lstat(directory).st_mode
@@ -212,13 +232,15 @@ def _compare(
     return compared
 
 
-def verify(root: Path, *, release: str | Path, record: ReadRecord) -> int:
+def verify(root: Path, *, release: str | Path, record: ReadRecord, step: Path | None = None) -> int:
     """Raise ResumeError naming the first file or tensor of `release` that differs from what
-    the run's first start read or digested whole; returns how many tensors were compared."""
-    recorded = _recorded(root)
+    the run's first start read or digested whole (the records the resumed `step` carries, else
+    those of `root`); returns how many tensors were compared."""
+    recorded = _recorded(root, step)
     if not recorded:
+        where = step if step is not None else root / RECORD_DIR
         log.warning("%s: no record of the release this run started from (a checkpoint of an "
-                    "older version); model.pretrained=%s is read unchecked", root / RECORD_DIR,
+                    "older version); model.pretrained=%s is read unchecked", where,
                     release)  # fmt: skip
         return 0
     first, body = recorded[0]
@@ -235,5 +257,18 @@ def verify(root: Path, *, release: str | Path, record: ReadRecord) -> int:
     whole = _compare(release, recorded, "carried", record.carried_json())
     log.info("model.pretrained=%s: %d of %d tensor reads and %d of %d tensors digested whole "
              "match the release this run started from (%s)", release, read, len(record.reads),
-             whole, len(record.carried), root / RECORD_DIR)  # fmt: skip
+             whole, len(record.carried), recorded[0][0].parent)  # fmt: skip
     return read + whole
+
+
+def step_files(root: Path, *, rank: int, world: int, step: Path | None = None) -> dict[str, str]:
+    """{file name: text}: the records this rank writes into every checkpoint it saves, so that
+    each step carries all of them: those of the first start's ranks i with i % `world` ==
+    `rank`, from the resumed `step` (else `root`/release_reads, where a first start wrote its
+    own). Empty when there is no record (a run of an older version, or no model.pretrained)."""
+    if step is None:  # a first start: this rank's own record, just written
+        paths = [_record_path(root, rank)]
+    else:
+        paths = [path for path, _ in _recorded(root, step)]
+    return {STEP_RECORD.format(_rank_of(p)): _read_text(p) for p in paths
+            if _rank_of(p) % world == rank and os.path.lexists(p)}  # fmt: skip

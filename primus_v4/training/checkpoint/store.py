@@ -228,9 +228,12 @@ def save(
     scheduler: Any | None = None,
     data: Stateful | None = None,
     extra_files: dict[str, str] | None = None,
+    rank_files: dict[str, str] | None = None,
 ) -> Path:
     """Save a checkpoint of `step` and publish it; collective over all ranks. Returns its dir.
-    `extra_files`: {name: text} written beside the shards by rank 0 (e.g. the run's config).
+    `extra_files`: {name: text} written beside the shards by rank 0 (e.g. the run's config);
+    `rank_files`: {name: text} each rank writes beside its shards (its own names, e.g. the
+    record of what the rank read of the release); both are in the manifest.
     A save that fails (a full disk, say) removes its temp dir on every rank and raises the same
     one-line error there: a failed save leaves nothing, and the previous checkpoint is intact.
     Ctrl-C mid-save removes the temp dir too and raises Interrupted (exit 130) naming the
@@ -241,7 +244,8 @@ def save(
     final, tmp = step_dir(root, step), root / f".tmp_step_{step:08d}"
     with _noting_sigint() as sigint:
         try:
-            return _save(root, final, tmp, step, model, optimizer, scheduler, data, extra_files)
+            return _save(root, final, tmp, step, model, optimizer, scheduler, data,
+                         extra_files, rank_files)  # fmt: skip
         except BaseException as exc:
             if sigint or isinstance(exc, KeyboardInterrupt):
                 raise _interrupted(root, tmp, final) from None
@@ -258,6 +262,7 @@ def _save(
     scheduler: Any | None,
     data: Stateful | None,
     extra_files: dict[str, str] | None,
+    rank_files: dict[str, str] | None,
 ) -> Path:
     start = time.perf_counter()
     _on_rank0(lambda: _fresh_dir(root, tmp), root, tmp, final)
@@ -265,6 +270,7 @@ def _save(
         state = _train_state(step, model, optimizer, scheduler, data)
         with _single_process_ok():
             dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        _write_files(tmp, rank_files or {})  # every rank its own, with its shards
     except (Exception, CheckpointException) as exc:  # DCP raises it on every rank
         error = _save_error(exc, root, tmp, final)
         _barrier()

@@ -258,3 +258,55 @@ def test_a_record_that_is_not_a_regular_file_is_refused_without_blocking(tmp_pat
     path.symlink_to(tmp_path / "elsewhere.json")
     with pytest.raises(ResumeError, match=r"it is a symbolic link \(to "):
         release_reads.verify(root, release=release, record=_record())
+
+
+def _copied_step(first_ckpt: Path, ckpt: Path) -> Path:
+    """Step 1 of the first run alone, copied into a new checkpoint.dir (as a user moves a
+    checkpoint to another file system): no release_reads/ beside it."""
+    ckpt.mkdir(parents=True)
+    shutil.copytree(step_dir(first_ckpt, 1), step_dir(ckpt, 1))
+    (ckpt / LATEST).write_text(step_dir(ckpt, 1).name + "\n")
+    return step_dir(ckpt, 1)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_step_carries_its_record_so_a_copied_step_is_checked_alike(
+    release: Path, first, tmp_path: Path, caplog
+) -> None:
+    """Every saved step holds the records (in its manifest); a step copied to a new
+    checkpoint.dir and resumed against a changed release is refused naming the tensor, as a
+    resume in place is. A step saved without records (an older version) resumes with the
+    warning."""
+    import logging
+
+    from primus_v4.training.checkpoint import integrity
+
+    step = step_dir(first[0], 1)
+    carried = sorted(p.name for p in step.glob("release_reads.rank*.json"))
+    assert carried == ["release_reads.rank00000.json"]
+    assert carried[0] in integrity.read_manifest(step)
+    assert (step / carried[0]).read_bytes() == (first[0] / "release_reads" / "rank00000.json"
+                                                ).read_bytes()  # fmt: skip
+    other = tmp_path / "other"
+    _flip_one_byte(release, other, "layers.0.attn.wq_a.weight")
+    copied = _copied_step(first[0], tmp_path / "run" / "ckpt")
+    with pytest.raises(ResumeError, match=r"tensor 'layers.0.attn.wq_a.weight' .* differs from "
+                       rf"the release this run started from \({release}, recorded in {copied}/"
+                       r"release_reads.rank00000.json\)"):  # fmt: skip
+        Trainer(_run(tmp_path, other, steps=2), corpus=GoldenImageCorpus())
+    # the same release resumes, and the steps it saves carry the record on
+    trainer = Trainer(_run(tmp_path, release, steps=2), corpus=GoldenImageCorpus())
+    trainer.train()
+    assert (step_dir(copied.parent, 2) / carried[0]).read_bytes() == (copied / carried[0]
+                                                                      ).read_bytes()  # fmt: skip
+    # a step of an older version: no record in it, none beside it
+    old = tmp_path / "old"
+    step = _copied_step(first[0], old / "run" / "ckpt")
+    (step / carried[0]).unlink()
+    files = integrity.read_manifest(step)
+    del files[carried[0]]
+    integrity.write_manifest(step, files)
+    with caplog.at_level(logging.WARNING, logger="primus_v4"):
+        Trainer(_run(old, other, steps=2), corpus=GoldenImageCorpus())
+    assert any("no record of the release this run started from" in r.message
+               for r in caplog.records)  # fmt: skip
