@@ -1,5 +1,5 @@
-"""`primus-v4 pack | train | inspect | export`: parse, call, print. Subcommands import lazily
-so that `pack` on a cache hit never imports torch."""
+"""`primus-v4 pack | train | eval | inspect | export`: parse, call, print. Subcommands import
+lazily so that `pack` on a cache hit never imports torch."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ examples:
   primus-v4 train --config my_run.yaml --set train.steps=100
   primus-v4 train --config tiny_cpu_thd --dry-run  validate and print the resolved config
   primus-v4 pack --data corpus.jsonl --seq-length 4096
+  primus-v4 eval --run outputs/my_run --json       held-out loss of the newest checkpoint
   primus-v4 inspect config                         every config key, its default and meaning
   primus-v4 inspect presets                        shipped model presets and run configs
 
@@ -43,6 +44,7 @@ Every error is one line on stderr.
 _COMMANDS = {
     "pack": ("pack", "tokenize a corpus and pack it into THD rows (cached on this node)"),
     "train": ("train", "run a fine-tuning job from a YAML config (or the tiny demo run)"),
+    "eval": ("eval", "held-out loss of a run's checkpoint, an export or a release on a corpus"),
     "inspect": (
         "inspect",
         "show the config reference, presets, a model's size, pack caches or checkpoints",

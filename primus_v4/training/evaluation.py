@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from primus_v4.data.thd import ThdBatch
+from primus_v4.data.thd import ThdBatch, TokenCounts
 from primus_v4.training.batches import Corpus
 from primus_v4.training.loss import StepLoss
 
@@ -35,6 +36,8 @@ class Evaluator:
         self.num_rows = len(corpus) if layout == "thd" else corpus.num_samples
         if self.num_rows == 0:
             raise ValueError("the evaluation corpus has no rows")
+        self.counts: TokenCounts | None = None
+        """The token counts of the last `run` (the whole corpus: summed over DP x CP)."""
 
     def due(self, step: int) -> bool:
         """After optimizer step `step` (1-based): every `interval` steps and after the last."""
@@ -46,9 +49,20 @@ class Evaluator:
     def _share(self, dp_rank: int, dp_size: int) -> tuple[list[ThdBatch], int]:
         """This replica's rows and how many forwards every rank runs."""
         mine = [self._row(i) for i in range(dp_rank, self.num_rows, dp_size)]
-        return mine, math.ceil(self.num_rows / dp_size)
+        return mine, self.forwards(dp_size)
 
-    def _forwards(self, trainer: Any, rows: list[ThdBatch], forwards: int, step_loss: Any) -> None:
+    def forwards(self, dp_size: int) -> int:
+        """How many forwards every rank runs in one evaluation (a progress bar's total)."""
+        return math.ceil(self.num_rows / dp_size)
+
+    def _forwards(
+        self,
+        trainer: Any,
+        rows: list[ThdBatch],
+        forwards: int,
+        step_loss: Any,
+        progress: Callable[[int], None] | None,
+    ) -> None:
         for k in range(forwards):
             row = rows[k] if k < len(rows) else self._row(0)
             counted = k < len(rows)  # the padding forward of a short share is not counted
@@ -57,24 +71,30 @@ class Evaluator:
                 trainer.pipeline.forward_only(
                     inputs, step_loss if counted else None, samples=row.num_samples
                 )
-                continue
-            out = trainer.model(**inputs)
-            if counted:
-                step_loss.objective(out, samples=row.num_samples)
+            else:
+                out = trainer.model(**inputs)
+                if counted:
+                    step_loss.objective(out, samples=row.num_samples)
+            if progress is not None:
+                progress(1)
 
     @torch.no_grad()
-    def run(self, trainer: Any) -> dict[str, float]:
-        """{"eval_loss", "eval_mtp_loss"} of the trainer's current weights."""
+    def run(
+        self, trainer: Any, *, progress: Callable[[int], None] | None = None
+    ) -> dict[str, float]:
+        """{"eval_loss", "eval_mtp_loss"} of the trainer's current weights (`progress` is
+        called with 1 after each forward); the corpus's token counts are left in `counts`."""
         rt = trainer.runtime
         rows, forwards = self._share(rt.dp_rank, rt.dp_size)
         step_loss = StepLoss(trainer.token_counts(rows), mtp_scale=trainer.mtp_scale)
+        self.counts = step_loss.counts
         was_training = trainer.model.training
         trainer.model.eval()
         # the weights as training uses them (train.quant_aware=release: as the release stores)
         quantized = getattr(trainer, "quantized", contextlib.nullcontext)
         try:
             with quantized():
-                self._forwards(trainer, rows, forwards, step_loss)
+                self._forwards(trainer, rows, forwards, step_loss, progress)
         finally:
             trainer.model.train(was_training)
         if trainer.pipeline is not None:

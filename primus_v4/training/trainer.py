@@ -47,6 +47,7 @@ from primus_v4.training.batches import BatchSource, Corpus
 from primus_v4.training.build import assemble, meta_model
 from primus_v4.training.checkpoint import release_reads
 from primus_v4.training.checkpoint.lifecycle import RunCheckpoints, check_steps
+from primus_v4.training.checkpoint.store import load_latest
 from primus_v4.training.evaluation import Evaluator
 from primus_v4.training.loss import StepLoss, reduce_counts
 from primus_v4.training.metrics.history import keep_rows_through, read_history
@@ -169,7 +170,13 @@ class NonFiniteError(PrimusError):
 
 
 class Trainer:
-    """One run. `corpus` and `model` can be passed in (tests); otherwise they are built."""
+    """One run. `corpus` and `model` can be passed in (tests); otherwise they are built.
+
+    `evaluate_only` (`primus-v4 eval`): the model built as the run builds it (the same
+    assembly, release reads, image encoder, CP splitter and quant-aware context) with its
+    evaluator on the evaluation corpus, and nothing else: no training corpus, optimizer,
+    scheduler, step hooks or checkpoint manager; it reads no checkpoint dir and records no
+    release reads. `load_weights` then puts a checkpoint's model weights in."""
 
     def __init__(
         self,
@@ -179,6 +186,7 @@ class Trainer:
         corpus: Corpus | None = None,
         model: nn.Module | None = None,
         eval_corpus: Corpus | None = None,
+        evaluate_only: bool = False,
     ) -> None:
         self.run = run
         self.cfg = run.cfg
@@ -188,10 +196,39 @@ class Trainer:
         )
         # Which checkpoint this run continues, decided (and verified) before any work: a refused
         # resume costs seconds and writes nothing.
-        self.checkpoints = self._checkpoints()
+        self.checkpoints = None if evaluate_only else self._checkpoints()
         self.resume_from = self.checkpoints.resume_point() if self.checkpoints else None
         check_pretrained(self.cfg, run.model)  # the release is read, resumed or not: all there?
-        self.corpus = corpus if corpus is not None else build_corpus(run)
+        self.total_steps = 0  # an evaluation alone takes no step
+        if not evaluate_only:
+            self._training_corpus(corpus)
+        model = model if model is not None else build_model(run)
+        self._release_reads: ReadRecord | None = None
+        self.model = self._parallelize(model)
+        self._images_attached = False
+        if not evaluate_only:
+            self._attach_images(self.corpus)
+        # the evaluation rows' pictures need the encoder too: read before the record is checked
+        self.evaluator = self._evaluator(eval_corpus)
+        self._check_release_reads()
+        self.quant = self._quant_aware()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.step_hooks: list[Any] = []
+        if not evaluate_only:
+            self._training_parts()
+        self.mtp_depths = int(run.model.mtp_num_layers or 0)
+        self.cp = self._context_parallel()
+        self.mtp_scale = float(run.model.mtp_loss_scaling_factor or 0.0)
+        self.start_step = 0
+        self.skipped_steps = 0
+        self.stopped: tuple[int, str, Path | None, int | None] | None = None
+
+    def _training_corpus(self, corpus: Corpus | None) -> None:
+        """The packed training corpus, its batches and the run's step count (checked against
+        the resumed checkpoint's step)."""
+        self.corpus = corpus if corpus is not None else build_corpus(self.run)
         self.source = BatchSource(
             self.corpus,
             layout=self.cfg.data.layout,
@@ -202,29 +239,25 @@ class Trainer:
         self.total_steps = self._total_steps()
         if self.resume_from is not None:
             check_steps(self.resume_from, self.total_steps)
-        model = model if model is not None else build_model(run)
-        self._release_reads: ReadRecord | None = None
-        self.model = self._parallelize(model)
-        self._images_attached = False
-        self._attach_images(self.corpus)
-        # the evaluation rows' pictures need the encoder too: read before the record is checked
-        self.evaluator = self._evaluator(eval_corpus)
-        self._check_release_reads()
-        self.quant = self._quant_aware()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def _training_parts(self) -> None:
+        """The optimizer (fp32 masters seeded from the draw), its schedule and the step hooks."""
         self.optimizer, self.scheduler = build_optimizer(
-            run, self.model, self.runtime.ctx, self.total_steps
+            self.run, self.model, self.runtime.ctx, self.total_steps
         )
         self._seed_masters()
         self.step_hooks = self.spec.step_hooks(
             [self.model], self.cfg.model, group=self.runtime.ctx.dp_cp_group
         )
-        self.mtp_depths = int(run.model.mtp_num_layers or 0)
-        self.cp = self._context_parallel()
-        self.mtp_scale = float(run.model.mtp_loss_scaling_factor or 0.0)
-        self.start_step = 0
-        self.skipped_steps = 0
-        self.stopped: tuple[int, str, Path | None, int | None] | None = None
+
+    def load_weights(self, checkpoint: Path) -> int:
+        """The model weights of training checkpoint `checkpoint` (verified by the caller), loaded
+        as a resume loads them (a LoRA run's adapters or a drafter over the base read from
+        model.pretrained or drawn from the seed); no optimizer, schedule or data state. Returns
+        its step."""
+        step = load_latest(checkpoint.parent, path=checkpoint, model=self.model)
+        assert step is not None  # a path is given: it is loaded or the load raises
+        return step
 
     def _evaluator(self, corpus: Corpus | None) -> Any:
         """Held-out loss (primus_v4.training.evaluation); None without evaluation data."""
