@@ -182,6 +182,8 @@ NOT_RUN = {
     "vllm serve": "an inference server (the export tests load the result in transformers)",
     "docker": "a container build (tests/scripts/test_script_lint.py lints the Dockerfile)",
     "primus-v4 inspect checkpoint": "reads the checkpoint the train command above it writes",
+    "primus-v4 eval": "reads the run the train command above it writes "
+    "(tests/unit/commands/test_eval_command.py evaluates such a run)",
     "sbatch": "submits to a SLURM cluster (tests/scripts/test_slurm_launch.py simulates one)",
     "srun": "starts a SLURM job step (tests/scripts/test_slurm_launch.py simulates its tasks)",
 }
