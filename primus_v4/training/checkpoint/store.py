@@ -507,7 +507,8 @@ def load_latest(
     if key in state:
         _set_rng_state(state[key]["rng"])
     step = int(state["step"])
-    log.info("resumed from checkpoint %s (step %d)", path, step)
+    what = "resumed from" if optimizer is not None else "loaded the model weights of"
+    log.info("%s checkpoint %s (step %d)", what, path, step)
     return step
 
 
