@@ -255,9 +255,9 @@ def verify(root: Path, *, release: str | Path, record: ReadRecord, step: Path | 
             )
     read = _compare(release, recorded, "tensors", record.as_json())
     whole = _compare(release, recorded, "carried", record.carried_json())
-    log.info("model.pretrained=%s: %d of %d tensor reads and %d of %d tensors digested whole "
-             "match the release this run started from (%s)", release, read, len(record.reads),
-             whole, len(record.carried), recorded[0][0].parent)  # fmt: skip
+    log.info("model.pretrained=%s: %d of %d tensors digested whole and %d of %d tensor reads "
+             "match the release this run started from (%s)", release, whole, len(record.carried),
+             read, len(record.reads), recorded[0][0].parent)  # fmt: skip
     return read + whole
 
 
