@@ -1,10 +1,12 @@
-"""`primus-v4 export --run DIR [--step N] --out DIR [--format release|peft] [--dtype ...]`: a
-training checkpoint (any parallel layout) as a released DeepSeek-V4 checkpoint directory:
-config.json with the release's keys, safetensors shards of bounded size with an index, the
-tokenizer files. The result loads in HF transformers (`from_pretrained(out)`) and serves with
-vLLM / SGLang (`--model out`); `model.pretrained: out` starts another run from it. A LoRA run is
-merged into its base; `--format peft` writes its adapters alone, in PEFT's format on
-transformers' module names (`PeftModel.from_pretrained(model, out)`).
+"""`primus-v4 export --run DIR [--step N] --out DIR [--format release|peft] [--dtype ...]
+[--release DIR]`: a training checkpoint (any parallel layout) as a released DeepSeek-V4 / V4.1
+checkpoint directory: config.json with the release's keys, safetensors shards of bounded size
+with an index, the tokenizer files. A run that started from a release is exported with it
+(`--release`: where it is now, when it moved). The result loads in HF transformers
+(`from_pretrained(out)`) and serves with vLLM / SGLang (`--model out`); `model.pretrained: out`
+starts another run from it. A LoRA run is merged into its base; `--format peft` writes its
+adapters alone, in PEFT's format on transformers' module names
+(`PeftModel.from_pretrained(model, out)`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", required=True, help="output directory (must not exist yet)")
     parser.add_argument(
+        "--release",
+        default=None,
+        metavar="DIR",
+        help="where the release the run started from is now (a copy of its model.pretrained, "
+        "which the export reads: its tokenizer and the tensors the run did not train); default: "
+        "where the run recorded it",
+    )
+    parser.add_argument(
         "--format",
         choices=["release", "peft"],
         default="release",
@@ -44,9 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["bfloat16", "fp8"],
         default=None,
-        help="release: bfloat16 weights (the default), or the release's FP8 e4m3 (128x128 ue8m0 "
-        "block scales) with FP4 e2m1 experts (ue8m0 scale per 32 inputs); peft: bfloat16 "
-        "adapters (default: as the checkpoint holds them)",
+        help="release: bfloat16 weights (the default), or the release's FP8 e4m3 with ue8m0 "
+        "block scales (DeepSeek-V4 128x128, V4.1 32x32) and FP4 e2m1 experts (ue8m0 scale per "
+        "32 inputs); peft: bfloat16 adapters (default: as the checkpoint holds them)",
     )
     parser.add_argument(
         "--max-shard-gb",
@@ -90,12 +100,19 @@ def check_apart(out: Path, run: str, source: Any) -> None:
         raise PathError(f"--out {out}: {clash}; choose a directory apart from what export reads")
 
 
+def _source(args: argparse.Namespace) -> Any:
+    """The verified checkpoint of `--run` / `--step`, its release read from `--release`."""
+    from primus_v4.export.run import find_source, with_release
+
+    return with_release(find_source(args.run, args.step), args.release)
+
+
 def _run_peft(args: argparse.Namespace) -> int:
     import torch
 
-    from primus_v4.export.run import export_adapters, find_source
+    from primus_v4.export.run import export_adapters
 
-    source = find_source(args.run, args.step)
+    source = _source(args)
     check_apart(Path(args.out), args.run, source)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     summary = export_adapters(source, args.out, dtype=dtype)
@@ -137,10 +154,10 @@ def run(args: argparse.Namespace) -> int:
         return _run_peft(args)
     from tqdm import tqdm
 
-    from primus_v4.export.run import export_checkpoint, find_source, release_tensor_count
+    from primus_v4.export.run import export_checkpoint, release_tensor_count
 
     dtype = args.dtype or "bfloat16"
-    source = find_source(args.run, args.step)
+    source = _source(args)
     check_apart(Path(args.out), args.run, source)
     with tqdm(
         total=release_tensor_count(source), desc="exporting", unit="tensor",

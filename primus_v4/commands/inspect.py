@@ -337,6 +337,9 @@ def _draft_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a release directory with its drafter (a run's export, or a "
                         "DeepSeek-V4.1 release), or a training run / checkpoint dir (exported "
                         "first as released, into a temporary directory)")  # fmt: skip
+    parser.add_argument("--release", default=None, metavar="DIR",
+                        help="for a training run: where the release it started from is now (a "
+                        "copy of its model.pretrained, which the export reads)")  # fmt: skip
     parser.add_argument("--data", default=None,
                         help="held-out conversations (any format `pack` reads), tokenized with "
                         "the release's tokenizer; default: the run config's data.path")  # fmt: skip
@@ -405,10 +408,15 @@ def _draft_run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="primus-v4-draft-") as tmp:
         release = Path(args.model)
         if not (release / "config.json").is_file():  # a training run: export it as released
-            from primus_v4.export.run import export_checkpoint, find_source
+            from primus_v4.export.run import export_checkpoint, find_source, with_release
 
+            source = with_release(find_source(args.model), args.release)
             release = Path(tmp) / "release"
-            export_checkpoint(find_source(args.model), release, dtype="fp8")
+            export_checkpoint(source, release, dtype="fp8")
+        elif args.release is not None:
+            raise ConfigError(f"--release {args.release}: --model {args.model} is a release "
+                              "already (--release names the release a training run started "
+                              "from)")  # fmt: skip
         spec = release_spec(release)
         if spec.speculate is None:
             raise ConfigError(f"--model {args.model}: {spec.title} releases carry no drafter "

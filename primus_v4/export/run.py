@@ -12,11 +12,20 @@ adapters are merged into its base (lora.py), or written alone in PEFT's format
 (`export_adapters`, peft.py). Tensors a run placed (`ModelSpec.place_tables`, DeepSeek-V4.1's
 Engram tables) are read where its checkpoint holds them (a trainable table sharded over ranks:
 as rows of the whole table under its placed name) or, frozen and kept out of the checkpoint,
-carried from the run's release byte for byte (`ReleaseFormat.saved_as`).
+carried from the run's release byte for byte (`ReleaseFormat.saved_as`); a run that started
+from no release drew them from its seed, and the export draws them again (the whole model drawn
+once from `train.seed`, as a random-init LoRA base is: small models only).
+
+An export reads the release the run started from (`model.pretrained`: its tokenizer, the base a
+LoRA run merges into, the tensors it carries, the layout a DeepSeek-V4.1 export is written
+beside); a release that is gone is named, before anything is written, with the option that
+points at another copy (`--release`, `with_release`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -27,6 +36,7 @@ from typing import Any
 
 import torch
 
+from primus_v4.checkpoint_formats import sharded
 from primus_v4.checkpoint_formats.sharded import ExportDtype, WriteSummary, tokenizer_files
 from primus_v4.config import RunConfig, load_config
 from primus_v4.config.resolve import (
@@ -36,7 +46,13 @@ from primus_v4.config.resolve import (
     vision_overrides,
 )
 from primus_v4.data.tokenizer import resolve_tokenizer_dir
-from primus_v4.errors import CheckpointError, ConfigError, describe_os_error
+from primus_v4.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    ConfigError,
+    UsageError,
+    describe_os_error,
+)
 from primus_v4.export import peft
 from primus_v4.export.lora import base_reader, is_adapter, load_group, merged_state
 from primus_v4.export.peft import PeftSummary, write_peft
@@ -155,6 +171,55 @@ def find_source(path: str | os.PathLike, step: int | None = None) -> ExportSourc
     return _verified(complete[-1])
 
 
+def _missing_file(directory: Path) -> Path | None:
+    """The first file of release `directory` that is not there (itself when it is gone): its
+    config.json, its index or single shard, each shard its index names; None when all are."""
+    if not directory.is_dir():
+        return directory
+    if not (directory / sharded.CONFIG_FILE).is_file():
+        return directory / sharded.CONFIG_FILE
+    index = directory / sharded.INDEX_FILE
+    if not index.is_file():
+        return None if (directory / sharded.SINGLE_FILE).is_file() else index
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None  # a damaged index: the reader names it
+    return next((directory / s for s in shards if not (directory / s).is_file()), None)
+
+
+def check_release(source: ExportSource) -> None:
+    """The release `source`'s run started from (`model.pretrained`), which an export reads, is
+    all there; else one line naming the missing file and `--release` (the commands' way to
+    point at another copy). A run from no release passes."""
+    pretrained = source.run.model.pretrained
+    if not pretrained:
+        return
+    missing = _missing_file(Path(pretrained))
+    if missing is not None:
+        raise CheckpointFormatError(
+            f"{missing}: not found; the export reads the release the run started from "
+            f"(model.pretrained {pretrained}: its tokenizer, the tensors the run did not train), "
+            "so name a copy of it with --release DIR; nothing was written"
+        )
+
+
+def with_release(source: ExportSource, release: str | os.PathLike | None) -> ExportSource:
+    """`source` with its run's release read from `release` (`--release`: a copy of its
+    `model.pretrained`, e.g. moved since the run; None: where the run recorded it); refused for
+    a run that started from none."""
+    model = source.run.model
+    if release is None:
+        return source
+    if not model.pretrained:
+        raise UsageError(
+            f"--release {release}: {source.config_file} started from no release "
+            "(model.pretrained is unset), so its export reads none; drop --release"
+        )
+    run = dataclasses.replace(source.run, model=dataclasses.replace(model, pretrained=str(release)))
+    return dataclasses.replace(source, run=run)
+
+
 def model_config_of(source: ExportSource) -> Any:
     """The model the checkpoint holds: its own release config (checksummed with it), or for a
     checkpoint saved without one the model its own config.yaml describes."""
@@ -192,7 +257,8 @@ class Placed:
 
 def placed_tensors(cfg: Any, source: ExportSource, stored: dict) -> Placed:
     """Where the checkpoint holds the tensors its run placed; a frozen one is carried from the
-    run's release, so a run without one is refused naming them (never written without them)."""
+    run's release, or drawn again from the run's seed when it started from a preset; a run
+    that records neither is refused naming them (never written without them)."""
     saved_as = spec_of(cfg).release.saved_as
     renamed, carried = {}, []
     for ours, key in (saved_as(cfg, source.run.model) if saved_as else {}).items():
@@ -202,11 +268,12 @@ def placed_tensors(cfg: Any, source: ExportSource, stored: dict) -> Placed:
             carried.append(ours)
         elif key in stored:
             renamed[ours] = key
-    if carried and not source.run.model.pretrained:
+    model = source.run.model
+    if carried and not model.pretrained and not model.preset:
         raise ExportError(
             f"{source.checkpoint}: {', '.join(carried)}: frozen and kept as the release stores "
-            "them, so in no training checkpoint, and the run has no model.pretrained release to "
-            "carry them from; nothing was written"
+            "them, so in no training checkpoint, and the run records neither a model.pretrained "
+            "release to carry them from nor a model.preset it drew them from; nothing was written"
         )
     return Placed(renamed=renamed, carried=carried)
 
@@ -261,6 +328,13 @@ def _stored_state(
         yield {keys[k]: t for k, t in load_group(checkpoint, list(keys), stored).items()}
 
 
+def _drawn(cfg: Any, run: RunConfig, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+    """`names` as a run from no release drew them from its seed (float32; one piece)."""
+    if names:
+        with base_reader(cfg, run) as read:
+            yield read(names)
+
+
 def export_checkpoint(
     source: ExportSource,
     out: str | os.PathLike,
@@ -270,6 +344,7 @@ def export_checkpoint(
     progress: Callable[[int], None] | None = None,
 ) -> WriteSummary:
     """Write `source` as a release directory at `out` (atomic; see the module docstring)."""
+    check_release(source)
     cfg = model_config_of(source)
     stored = _stored_model_tensors(source.checkpoint)
     placed = placed_tensors(cfg, source, stored)
@@ -281,8 +356,13 @@ def export_checkpoint(
     else:
         _check_names(cfg, stored, source.checkpoint, placed)
         pieces = _stored_state(source.checkpoint, groups, stored, placed.renamed)
-    # the frozen tables' stored bytes, copied from the release (only families that place any)
-    carried = {"carried": placed.carried} if placed.carried else {}
+    # the frozen tables (only families that place any): the release's stored bytes, copied, or
+    # for a run from no release drawn again from its seed, as the run held them
+    carried = {}
+    if placed.carried:
+        carried = {"carried": placed.carried, "section": source.run.model}
+        if not source.run.model.pretrained:
+            pieces = itertools.chain(pieces, _drawn(cfg, source.run, placed.carried))
     tokenizer_dir = resolve_tokenizer_dir(tokenizer_of(source.run))
     try:  # the writer removes its temp dir on any failure: nothing partial is left
         summary = spec_of(cfg).release.write_state(
@@ -326,6 +406,7 @@ def export_adapters(
             f"{source.config_file}: model.lora.rank is 0, so the run trained no adapters; "
             "--format peft exports a LoRA run's adapters (use --format release)"
         )
+    check_release(source)
     cfg = model_config_of(source)
     stored = _stored_model_tensors(source.checkpoint)
     _check_adapters(cfg, stored, source.checkpoint)
@@ -378,9 +459,11 @@ def export_adapters(
 
 def release_tensor_count(source: ExportSource) -> int:
     """How many logical release tensors an export of `source` writes (the progress total; the
-    tensors carried from the release are copied, not counted)."""
+    tensors carried from the release are copied, not counted; drawn again, they are)."""
     cfg = model_config_of(source)
     names = spec_of(cfg).release.names
     placed = placed_tensors(cfg, source, _stored_model_tensors(source.checkpoint))
-    carried = sum(len(names.name_table(cfg)[n].release) for n in placed.carried)
-    return len(names.release_tensors(cfg)) - carried
+    copied = placed.carried if source.run.model.pretrained else []
+    return len(names.release_tensors(cfg)) - sum(
+        len(names.name_table(cfg)[n].release) for n in copied
+    )

@@ -56,6 +56,8 @@ _REQUIRED: dict[str, Any] = {
     "n_shared_experts": 1,
     "model_type": "deepseek_v4",
 }
+# checked when a config.json states them (transformers' own keys), absent from the release's
+_NOT_RELEASED = ("mlp_bias",)
 IGNORED_KEYS = frozenset(
     {
         "architectures",  # class name for loaders
@@ -286,7 +288,8 @@ def config_from_release(d: dict, *, source: str = "config.json", **overrides) ->
 def config_to_release(cfg: DeepseekV4Config) -> dict[str, Any]:
     """The release's config.json keys for `cfg` (bf16 storage; an FP8 writer adds
     `quantization_config` and `expert_dtype`)."""
-    out: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], **_REQUIRED}
+    out: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"]}
+    out.update({k: v for k, v in _REQUIRED.items() if k not in _NOT_RELEASED})
     for rel, ours in FIELDS.items():
         out[rel] = getattr(cfg, ours)
     out["num_nextn_predict_layers"] = cfg.mtp_num_layers or 0

@@ -4,9 +4,11 @@
 Every key of the published release has a place: keys that describe the text backbone map one
 to one onto our fields; keys whose value fixes math we build one way only are checked against
 that value; keys of parts this model does not build (the DSpark stages, the vision tower) and
-inference-only keys are accepted as they are (an export writes the source's config.json back
-as it came). Any other key, at the top level or in `text_config`, is an error, so a release
-whose math we do not know is never loaded silently.
+inference-only keys are accepted as they are. Any other key, at the top level or in
+`text_config`, is an error, so a release whose math we do not know is never loaded silently.
+An export writes the published release's layout (`release_config`: its keys, in its order, the
+FP8 / FP4 `quantization_config` of 32 x 32 blocks with `expert_dtype` inside it), whatever the
+layout of the release the model came from.
 
 `compress_ratios` lists the backbone's `num_hidden_layers` ratios followed by one 0 per DSpark
 draft stage (`num_nextn_predict_layers`), as V4's lists its MTP slot: the tail is checked and
@@ -108,6 +110,46 @@ QUANTIZATION = {
     "expert_dtype": "fp4",
 }
 QUANTIZATION_PASSED = {"activation_scheme"}  # how inference quantizes activations
+# what an FP8 export declares: the published release's `quantization_config`, key for key
+QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [32, 32],
+    "scale_fmt": "ue8m0",
+    "expert_dtype": "fp4",
+}
+# The published release's config.json layout (DeepSeek-V4.1-Flash's, in its order): the keys an
+# export writes, at the top level, in `text_config` and its `rope_scaling`. The model's keys take
+# the model's values (`config_to_release`); the others the values of the release the model came
+# from, else the published release's (`PUBLISHED`).
+RELEASE_KEYS = (
+    "architectures", "model_type", "dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+    "image_token_id", "quantization_config", "text_config", "vision_config",
+)  # fmt: skip
+RELEASE_TEXT_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "qk_rope_head_dim", "q_lora_rank",
+    "o_lora_rank", "o_groups", "hidden_act", "swiglu_limit", "rms_norm_eps", "attention_bias",
+    "max_position_embeddings", "rope_theta", "rope_scaling", "n_routed_experts",
+    "n_shared_experts", "num_experts_per_tok", "scoring_func", "topk_method", "norm_topk_prob",
+    "routed_scaling_factor", "sliding_window", "compress_ratios", "compress_rope_theta",
+    "kv_source_layer_ids", "index_source_layer_ids", "index_n_heads", "index_head_dim",
+    "index_topk", "candidate_source_layer_id", "candidate_topk_blocks", "candidate_block_size",
+    "hc_mult", "hc_sinkhorn_iters", "hc_eps", "engram_layer_ids", "engram_num_embeddings",
+    "engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
+    "engram_pad_token_id", "engram_compressed_vocab_size", "num_nextn_predict_layers",
+    "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
+    "dspark_n_routed_experts", "dspark_num_experts_per_tok",
+)  # fmt: skip
+RELEASE_ROPE_KEYS = ("rope_type", "factor", "beta_fast", "beta_slow",
+                     "original_max_position_embeddings")  # fmt: skip
+# the published values of the keys that are not the model's
+PUBLISHED = {
+    "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+    "dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+    "image_token_id": 129264,
+}  # fmt: skip
+PUBLISHED_TEXT = {"max_position_embeddings": 1048576}
 
 
 def text_config(d: dict[str, Any], source: str) -> dict[str, Any]:
@@ -234,3 +276,44 @@ def config_to_release(cfg: Any) -> dict[str, Any]:
         out.update({key: getattr(cfg, field) for key, field in DSPARK.items()})
         out["compress_ratios"] = [*cfg.compress_ratios, *[0] * cfg.dspark_stages]
     return out
+
+
+def _laid_out(keys: tuple[str, ...], *sources: dict[str, Any]) -> dict[str, Any]:
+    """`keys` in order, each with its value in the first of `sources` that has it (a key none
+    has is left out)."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        source = next((s for s in sources if key in s), None)
+        if source is not None:
+            out[key] = source[key]
+    return out
+
+
+def release_config(
+    cfg: Any, *, given: dict[str, Any] | None = None, drafter: bool = True
+) -> dict[str, Any]:
+    """The config.json of an export of `cfg` in the published release's layout (`RELEASE_KEYS`,
+    ...), as an FP8 export writes it (a bf16 export's writer drops `quantization_config`): the
+    model's keys with the model's values; the others as the release `given` (the config.json
+    the model came from) has them, else as published; `vision_config` (the image encoder's,
+    as its release states it) and `image_token_id` only for a model with an image encoder, the
+    DSpark keys only with `drafter` (the shards hold its stages, or the release the model came
+    from declares them). A key outside the layout (a tool's provenance) is not written."""
+    given = given or {}
+    text, text_keys = config_to_release(cfg), RELEASE_TEXT_KEYS
+    if not drafter:  # no stages: neither their keys nor their slots of compress_ratios
+        text_keys = tuple(k for k in text_keys if k not in DSPARK)
+        text["compress_ratios"] = list(cfg.compress_ratios)
+    text["rope_scaling"] = _laid_out(RELEASE_ROPE_KEYS, text["rope_scaling"])
+    given_text = given.get("text_config", given)
+    ours: dict[str, Any] = {
+        "quantization_config": dict(QUANTIZATION_CONFIG),
+        "text_config": _laid_out(text_keys, text, given_text, PUBLISHED_TEXT),
+    }
+    vision = cfg.vision_config or given.get("vision_config")
+    keys = RELEASE_KEYS
+    if vision:
+        ours["vision_config"] = dict(vision)
+    else:
+        keys = tuple(k for k in RELEASE_KEYS if k not in ("image_token_id", "vision_config"))
+    return _laid_out(keys, ours, given, PUBLISHED)

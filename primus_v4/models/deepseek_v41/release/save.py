@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 out in its release layout, beside the release it came from.
+"""DeepSeek-V4.1 out in its release layout, beside the release it came from or on its own.
 
 `save_release(tensors, source, out, dtype=...)` writes {release name: float tensor} (decoded,
 [out, in], routed experts one tensor per expert and projection, as `release/tensors.py` reads
@@ -13,8 +13,15 @@ source must be given. The source's tensors that are not the text model (`tensors
 vision tower, `aligner.*`, `image_*`, DSpark `mtp.*`, `bias_vl`) and were not given are copied
 byte for byte (carried.py) and named in one log line, as are the text tensors named in `keep`
 (the frozen Engram tables of a run that placed them: the release's FP8 rows and scales, in a
-bf16 export too); any other source tensor left out is an error. config.json is the source's
-(without `quantization_config` for bf16); the tokenizer files are copied.
+bf16 export too); any other source tensor left out is an error. config.json is the one made
+from the source's (an export's: `config_json.release_config`), else the source's, with the
+release's `quantization_config` (FP8 32 x 32 blocks, FP4 experts) for fp8 and none for bf16;
+the tokenizer files are copied.
+
+`write_release(tensors, out, config=...)` writes a model that came from no release (a run from
+a preset): every tensor quantized afresh by its kind for fp8, the quantized kinds as bf16 for
+bf16; the tensors named in `rows` (frozen Engram tables the model held as FP8 rows) as FP8 rows
+in either dtype; nothing is carried.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from pathlib import Path
 import torch
 
 from primus_v4.checkpoint_formats.carried import copy_carried
+from primus_v4.checkpoint_formats.fp8_fp4 import quantize
 from primus_v4.checkpoint_formats.requantize import requantize
 from primus_v4.checkpoint_formats.sharded import (
     SCALE_SUFFIXES,
@@ -38,6 +46,7 @@ from primus_v4.checkpoint_formats.sharded import (
 )
 from primus_v4.errors import CheckpointFormatError
 from primus_v4.log import get_logger
+from primus_v4.models.deepseek_v41.release.config_json import QUANTIZATION_CONFIG
 from primus_v4.models.deepseek_v41.release.tensors import (
     FORMATS,
     check_stored,
@@ -135,6 +144,12 @@ def _carry(
     return carry
 
 
+def _declared(config: dict) -> dict:
+    """`config` with the release's `quantization_config` (the writer keeps it for fp8 and
+    drops it for bf16)."""
+    return {**config, "quantization_config": dict(QUANTIZATION_CONFIG)}
+
+
 def save_release(
     tensors: Tensors | Iterable[Tensors],
     source: str | os.PathLike,
@@ -144,10 +159,12 @@ def save_release(
     max_shard_bytes: int = 5 * 2**30,
     progress: Callable[[int], None] | None = None,
     keep: Iterable[str] = (),
+    config: Callable[..., dict] | None = None,
 ) -> ReleaseExport:
     """Write `tensors` (one dict, or a stream of dicts that together hold the text model) in
     the layout of the release at `source` to `out`, with the source's tensors `keep` copied as
-    stored; see the module docstring."""
+    stored; config.json is `config(given=<the source's>)` (default: the source's); see the
+    module docstring."""
     pieces = [tensors] if isinstance(tensors, Mapping) else tensors
     given: set[str] = set()
     carried: list[str] = []
@@ -172,7 +189,7 @@ def save_release(
             out,
             _checked(reader, pieces, given),
             storage,
-            reader.config,
+            _declared(reader.config if config is None else config(given=reader.config)),
             dtype=dtype,
             max_shard_bytes=max_shard_bytes,
             extra_files=tokenizer_files(reader.directory),
@@ -180,3 +197,43 @@ def save_release(
             carry=_carry(reader, given, carried, keep),
         )
     return ReleaseExport(summary=summary, carried=carried)
+
+
+def _quantized(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A tensor of a quantized kind, quantized afresh in its kind's blocks (no release beside
+    it to keep bytes from): its codes and its e8m0 scale."""
+    fmt = FORMATS[kind_of(name)]
+    try:
+        stored = quantize(tensor.detach().float(), fmt=fmt)
+    except ValueError as err:
+        why = f"{err}; the {fmt.name} blocks of the release cannot hold it"
+        raise CheckpointFormatError(f"'{name}' {list(tensor.shape)}: {why}") from None
+    return list(zip((name, name.removesuffix(".weight") + ".scale"), stored, strict=True))
+
+
+def write_release(
+    tensors: Iterable[Tensors],
+    out: str | os.PathLike,
+    *,
+    config: dict,
+    dtype: ExportDtype = "fp8",
+    max_shard_bytes: int = 5 * 2**30,
+    extra_files: Iterable[str | os.PathLike] = (),
+    progress: Callable[[int], None] | None = None,
+    rows: Iterable[str] = (),
+) -> WriteSummary:
+    """Write `tensors` (a stream of {release name: tensor} dicts that together hold the model)
+    as a release directory at `out` with no release beside it, `config` as its config.json and
+    `extra_files` (the tokenizer's) copied in; see the module docstring."""
+    rows = set(rows)
+
+    def storage(name: str) -> str | Callable:
+        kind = kind_of(name)
+        if kind in FORMATS:  # bf16: the quantized kinds as bf16, but the rows held as FP8
+            return _quantized if dtype == "fp8" or name in rows else "fp8"
+        return kind
+
+    stream = ((name, tensor) for piece in tensors for name, tensor in piece.items())
+    return write_checkpoint(out, stream, storage, _declared(config), dtype=dtype,
+                            max_shard_bytes=max_shard_bytes, extra_files=list(extra_files),
+                            progress=progress)  # fmt: skip
