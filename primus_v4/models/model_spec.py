@@ -166,3 +166,8 @@ class ModelSpec:
     """(rank module, the run's `model` section, *, ctx) after the cut and fill: where the
     family's lookup tables live (DeepSeek-V4.1's Engram, `model.engram`); None: nothing to
     place."""
+    use_tokenizer: Callable[..., Any] | None = None
+    """(rank module, tokenizer directory) for a model drawn from a seed: what the family derives
+    from the tokenizer (DeepSeek-V4.1's Engram token map), set as a release's loader sets it from
+    the release's own tokenizer, so the run's export reads back as the model that trained; None:
+    nothing derives from it."""

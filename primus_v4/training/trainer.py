@@ -35,10 +35,11 @@ from torch import nn
 
 from primus_v4.checkpoint_formats.read_record import ReadRecord, recording_reads
 from primus_v4.config import ResolvedRun, write_resolved
-from primus_v4.config.resolve import check_pretrained, train_steps, vision_held
+from primus_v4.config.resolve import check_pretrained, tokenizer_of, train_steps, vision_held
 from primus_v4.data.pipeline import build_or_load
 from primus_v4.data.stats_table import summary_table
 from primus_v4.data.thd import ThdBatch
+from primus_v4.data.tokenizer import resolve_tokenizer_dir
 from primus_v4.errors import DataError, PrimusError
 from primus_v4.log import get_logger
 from primus_v4.models import spec_of
@@ -306,6 +307,9 @@ class Trainer:
         )
         # Random init: the weights were drawn from train.seed while materializing.
         self._drawn = built.drawn
+        if built.drawn and self.spec.use_tokenizer is not None:
+            # As the export of this run will be read: through its tokenizer (the run's).
+            self.spec.use_tokenizer(built.model, resolve_tokenizer_dir(tokenizer_of(self.cfg)))
         self.pipeline: Any = built.pipeline
         return built.model
 

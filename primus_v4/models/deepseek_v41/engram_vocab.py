@@ -112,14 +112,19 @@ def _built(file: str, size: int, mtime_ns: int) -> TokenMap:
     return build_token_map(file)
 
 
+def cached_token_map(path: str | os.PathLike) -> TokenMap:
+    """`build_token_map`, built once per tokenizer file (path, size, mtime)."""
+    file = tokenizer_file(path)
+    st = file.stat()
+    return _built(str(file), st.st_size, st.st_mtime_ns)
+
+
 def token_map_of(path: str | os.PathLike, cfg: EngramSizes) -> np.ndarray:
     """The token map of the tokenizer at `path` (a release or tokenizer directory, or the
     tokenizer.json) for the model `cfg`: refused unless its size is the config's
     `engram_compressed_vocab_size`. Built once per tokenizer file (path, size, mtime): the
     release check of a dry run and the run's load share it."""
-    file = tokenizer_file(path)
-    st = file.stat()
-    token_map = _built(str(file), st.st_size, st.st_mtime_ns)
+    token_map = cached_token_map(path)
     expected = cfg.engram_compressed_vocab_size
     if token_map.size != expected:
         raise DataError(

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from primus_v4.log import get_logger
 from primus_v4.models.common.kept_base import release_weights
 from primus_v4.models.deepseek_v4 import spec as v4
 from primus_v4.models.deepseek_v4.config import PRESET_DIR
 from primus_v4.models.deepseek_v4.infra.parallelize import is_meta
-from primus_v4.models.deepseek_v41 import lora, memory_terms, peft
+from primus_v4.models.deepseek_v41 import engram_vocab, lora, memory_terms, peft
 from primus_v4.models.deepseek_v41.config import LAYER_KINDS, DeepseekV41Config, config_from_release
 from primus_v4.models.deepseek_v41.engram_placement import place_for_run
 from primus_v4.models.deepseek_v41.infra.cp_batch import CpSplitter, required_local_rows
@@ -26,6 +29,8 @@ from primus_v4.models.deepseek_v41.release import state_dict_adapter as names
 from primus_v4.models.deepseek_v41.release.kept_base import keep_release_base, release_rounding
 from primus_v4.models.deepseek_v41.speculate import speculate
 from primus_v4.models.model_spec import MemoryTerms, ModelSpec, ReleaseFormat
+
+log = get_logger(__name__)
 
 
 def _config_json(cfg: DeepseekV41Config) -> dict[str, Any]:
@@ -45,6 +50,27 @@ def _step_hooks(modules: Any, section: Any, *, group: Any = None) -> list[Any]:
     if section.draft.train == "only":
         modules = [m.dspark for m in modules if getattr(m, "dspark", None) is not None]
     return v4._step_hooks(modules, section, group=group)
+
+
+def _use_tokenizer(module: Any, tokenizer_dir: Any) -> None:
+    """The Engram token map of the run's tokenizer on a drawn model (a whole model or a
+    pipeline stage: they share one `engram_rows`), as the loader of the run's export sets it;
+    refused unless its size is the config's `engram_compressed_vocab_size`. A tokenizer of
+    another vocabulary size than the model's cannot map its ids: token id mod the compressed
+    size stays (said once in the log)."""
+    target = getattr(module, "module", module)  # a wrapper's inner model
+    rows = getattr(target, "engram_rows", None)
+    if rows is None:
+        return
+    ids = engram_vocab.cached_token_map(tokenizer_dir).ids
+    if ids.size == target.cfg.vocab_size:
+        ids = engram_vocab.token_map_of(tokenizer_dir, target.cfg)
+    else:
+        log.info("Engram token map: token id mod %d (the tokenizer at %s has %d ids, the model's "
+                 "vocab_size is %d)", target.cfg.engram_compressed_vocab_size, tokenizer_dir,
+                 ids.size, target.cfg.vocab_size)  # fmt: skip
+        return
+    rows.set_token_map(torch.from_numpy(ids))
 
 
 def _attach_images(module: Any, release: Any, *, device: Any) -> str:
@@ -111,4 +137,5 @@ SPEC = ModelSpec(
     speculate=speculate,
     place_tables=place_for_run,
     attach_images=_attach_images,
+    use_tokenizer=_use_tokenizer,
 )
