@@ -138,9 +138,11 @@ def release_format(directory: Path) -> str | None:
 
 def detect(tokenizer_dir: Path) -> str:
     """`auto` from a tokenizer directory: the release's config.json there, else the tokenizer
-    itself (V4.1's has `<｜System｜>` as one token, V4's and V4-0731's do not)."""
+    itself (V4.1's has `<｜System｜>` as one token, V4's and V4-0731's do not). A V4.1 config
+    beside a DeepSeek-V4 tokenizer (the export of a V4.1 preset run, which carries the bundled
+    tokenizer) writes v4: the format its tokens can write."""
     by_release = release_format(tokenizer_dir)
-    if by_release is not None:
+    if by_release not in (None, "v4.1"):
         return by_release
     text = (Path(tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8")
     return "v4.1" if re.search(r'"content"\s*:\s*"' + SYSTEM + '"', text) else "v4"

@@ -80,7 +80,19 @@ def test_auto_follows_the_release_and_the_tokenizer(
     (release / "config.json").write_text(json.dumps(config))
     assert chat_format.detect(release) == "v4-0731"  # same tokenizer as V4: the config tells
     (release / "config.json").write_text(json.dumps({"model_type": "deepseek_v41"}))
-    assert chat_format.detect(release) == "v4.1"
+    # V4.1's config beside V4's tokenizer (a V4.1 preset run's export): the tokenizer's format
+    assert chat_format.detect(release) == "v4"
+    exported = load_config(overrides=["model.preset=null", f"model.pretrained={release}"])
+    assert chat_format_of(exported) == "v4"
+    v41_release = tmp_path / "v41_release"
+    v41_release.mkdir()
+    (v41_release / "config.json").write_text(json.dumps({"model_type": "deepseek_v41"}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (V41_TOKENIZER / name).is_file():
+            (v41_release / name).write_bytes((V41_TOKENIZER / name).read_bytes())
+    assert chat_format.detect(v41_release) == "v4.1"
+    v41_run = load_config(overrides=["model.preset=null", f"model.pretrained={v41_release}"])
+    assert chat_format_of(v41_run) == "v4.1"
 
     assert chat_format_of(load_config(overrides=[])) == "v4"  # the tiny preset's family
     assert chat_format_of(load_config(overrides=["data.chat_format=v4.1"])) == "v4.1"
