@@ -374,9 +374,9 @@ CHAT_FORMATS = {"deepseek_v4": "v4", "deepseek_v41": "v4.1"}
 
 def chat_format_of(cfg: RunConfig) -> str:
     """data.chat_format, `auto` resolved from the run's model: model.pretrained's config.json
-    (model_type, V4-0731's dspark_* keys), else the family of the preset; V4.1's format only
-    where the tokenizer has its tokens (V4.1's preset on the bundled DeepSeek-V4 tokenizer, or
-    the export of such a run, which carries that tokenizer: v4)."""
+    (model_type, V4-0731's dspark_* keys), else the family of the preset; V4.1's format not on
+    a DeepSeek-V4 tokenizer (V4's tokens, not V4.1's: V4.1's preset on the bundled tokenizer,
+    or the export of such a run, which carries it: v4)."""
     if cfg.data.chat_format != "auto":
         return cfg.data.chat_format
     found = None
@@ -390,21 +390,11 @@ def chat_format_of(cfg: RunConfig) -> str:
                      "tokens; set data.tokenizer to V4.1's, or model.pretrained to a V4.1 "
                      "release, for v4.1)")  # fmt: skip
             return "v4"
-        missing = _missing_tokens(tokenizer, chat_format.FORMATS["v4.1"].special_tokens)
-        if missing:
-            log.info("data.chat_format auto: v4 (tokenizer %s has no V4.1 token %r: a DeepSeek-V4 "
-                     "tokenizer; set data.tokenizer to V4.1's for v4.1)", tokenizer,
-                     missing[0])  # fmt: skip
+        if chat_format.tokenizer_format(resolve_tokenizer_dir(tokenizer)) == "v4":
+            log.info("data.chat_format auto: v4 (tokenizer %s is DeepSeek-V4's, without V4.1's "
+                     "tokens; set data.tokenizer to V4.1's for v4.1)", tokenizer)  # fmt: skip
             return "v4"
     return found
-
-
-def _missing_tokens(tokenizer: str, texts: tuple[str, ...]) -> list[str]:
-    """Those of `texts` that are not one token of the tokenizer at `tokenizer` (loaded once per
-    process while its files are unchanged)."""
-    from primus_v4.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
-
-    return load_tokenizer(resolve_tokenizer_dir(tokenizer)).missing_tokens(texts)
 
 
 def tokenizer_of(cfg: RunConfig) -> str | None:

@@ -139,13 +139,21 @@ def release_format(directory: Path) -> str | None:
 def detect(tokenizer_dir: Path) -> str:
     """`auto` from a tokenizer directory: the release's config.json there, else the tokenizer
     itself (V4.1's has `<｜System｜>` as one token, V4's and V4-0731's do not). A V4.1 config
-    beside a DeepSeek-V4 tokenizer (the export of a V4.1 preset run, which carries the bundled
-    tokenizer) writes v4: the format its tokens can write."""
+    beside a DeepSeek-V4 tokenizer (V4's tokens, not V4.1's: the export of a V4.1 preset run,
+    which carries the bundled tokenizer) writes v4, the format its tokens can write."""
     by_release = release_format(tokenizer_dir)
     if by_release not in (None, "v4.1"):
         return by_release
+    return tokenizer_format(tokenizer_dir) or by_release or "v4"
+
+
+def tokenizer_format(tokenizer_dir: str | Path) -> str | None:
+    """The format a DeepSeek tokenizer writes: "v4.1" with `<｜System｜>` as one token, "v4"
+    with V4's BOS and not that; None for another tokenizer (neither)."""
     text = (Path(tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8")
-    return "v4.1" if re.search(r'"content"\s*:\s*"' + SYSTEM + '"', text) else "v4"
+    if re.search(r'"content"\s*:\s*"' + SYSTEM + '"', text):
+        return "v4.1"
+    return "v4" if re.search(r'"content"\s*:\s*"' + BOS + '"', text) else None
 
 
 UNRENDERED = ("developer", "task", "response_format", "wo_eos", "latest_reminder")
