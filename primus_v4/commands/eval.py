@@ -117,7 +117,7 @@ def _usage(args: argparse.Namespace) -> None:
 
 
 def _checkpoint(args: argparse.Namespace) -> Any:
-    """The verified checkpoint of --run / --step (export's `find_source`, said for eval)."""
+    """The verified checkpoint of --run / --step (export's `find_source`, in eval's words)."""
     from primus_v4.errors import CheckpointError
     from primus_v4.export.run import ExportError, find_source
 
@@ -125,10 +125,9 @@ def _checkpoint(args: argparse.Namespace) -> Any:
         raise CheckpointError(f"--run {args.run}: not a directory (pass a run's output dir, its "
                               "checkpoint.dir or one step_XXXXXXXX dir)")  # fmt: skip
     try:
-        return find_source(args.run, args.step)
-    except ExportError as exc:
-        said = str(exc).replace("cannot export", "cannot evaluate")
-        raise CheckpointError(said.replace("Export another", "Evaluate another")) from None
+        return find_source(args.run, args.step, verb="evaluate")
+    except ExportError as exc:  # the same refusal, as a checkpoint error of this command
+        raise CheckpointError(str(exc)) from None
 
 
 def _config(args: argparse.Namespace, source: Any) -> tuple[Any, str, bool]:

@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="where the release the run started from is now (a copy of its model.pretrained, "
-        "which the export reads: its tokenizer and the tensors the run did not train); default: "
-        "where the run recorded it",
+        "which the export reads: its tokenizer and the tensors the run did not train, checked "
+        "against the digests the run recorded of them); default: where the run recorded it",
     )
     parser.add_argument(
         "--format",

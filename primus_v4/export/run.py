@@ -19,7 +19,10 @@ once from `train.seed`, as a random-init LoRA base is: small models only).
 An export reads the release the run started from (`model.pretrained`: its tokenizer, the base a
 LoRA run merges into, the tensors it carries, the layout a DeepSeek-V4.1 export is written
 beside); a release that is gone is named, before anything is written, with the option that
-points at another copy (`--release`, `with_release`).
+points at another copy (`--release`, `with_release`). The tensors it carries byte for byte must
+be the ones the run started from: their digests are taken again and compared with those the run
+recorded when it started (`check_carried`; training/checkpoint/release_reads.py), and a release
+changed since is refused the same way, naming the tensor.
 """
 
 from __future__ import annotations
@@ -37,7 +40,13 @@ from typing import Any
 import torch
 
 from primus_v4.checkpoint_formats import sharded
-from primus_v4.checkpoint_formats.sharded import ExportDtype, WriteSummary, tokenizer_files
+from primus_v4.checkpoint_formats.sharded import (
+    SCALE_SUFFIXES,
+    ExportDtype,
+    WriteSummary,
+    load_workers,
+    tokenizer_files,
+)
 from primus_v4.config import RunConfig, load_config
 from primus_v4.config.resolve import (
     draft_overrides,
@@ -58,7 +67,7 @@ from primus_v4.export.lora import base_reader, is_adapter, load_group, merged_st
 from primus_v4.export.peft import PeftSummary, write_peft
 from primus_v4.log import get_logger
 from primus_v4.models import release_spec, spec_of
-from primus_v4.training.checkpoint import integrity, safe_dcp
+from primus_v4.training.checkpoint import integrity, release_reads, safe_dcp
 from primus_v4.training.checkpoint.lifecycle import CONFIG_FILE, MODEL_CONFIG_FILE
 from primus_v4.training.checkpoint.store import check_layout, step_dir
 
@@ -133,13 +142,14 @@ def _checkpoint_root(p: Path) -> Path:
     return launch / ck
 
 
-def _verified(checkpoint: Path) -> ExportSource:
-    """`checkpoint` after the integrity check every reader makes, with its own config."""
+def _verified(checkpoint: Path, *, verb: str) -> ExportSource:
+    """`checkpoint` after the integrity check every reader makes, with its own config; a
+    damaged one is refused in the words of what reads it (`verb`: "export", "evaluate")."""
     problems = integrity.problems(checkpoint, needs_config=True)
     if problems:
         raise ExportError(
-            f"cannot export {checkpoint}: {'; '.join(problems)}. Export another step with "
-            f"--step (present: {_present(checkpoint.parent)})"
+            f"cannot {verb} {checkpoint}: {'; '.join(problems)}. {verb.capitalize()} another "
+            f"step with --step (present: {_present(checkpoint.parent)})"
         )
     config_file = checkpoint / CONFIG_FILE
     return ExportSource(
@@ -147,28 +157,31 @@ def _verified(checkpoint: Path) -> ExportSource:
     )
 
 
-def find_source(path: str | os.PathLike, step: int | None = None) -> ExportSource:
+def find_source(
+    path: str | os.PathLike, step: int | None = None, *, verb: str = "export"
+) -> ExportSource:
     """Resolve `--run` (a run output dir, a checkpoint dir, or one step's dir) and `--step` to a
     verified checkpoint: without --step the newest complete one, a named step or step dir, each
-    exported only when intact (a damaged newest one is refused by name, never replaced by an
-    older one the user did not ask for)."""
+    read only when intact (a damaged newest one is refused by name, never replaced by an older
+    one the user did not ask for). `verb` is what the command does with it, as its refusals
+    say it ("cannot export ...", "cannot evaluate ...")."""
     p = Path(path)
     if not p.is_dir():
         raise ExportError(f"{p}: not a directory (pass a run's output dir or checkpoint dir)")
     if p.name.startswith("step_") or (p / ".metadata").is_file():  # one step's checkpoint
         if step is not None:
             raise ExportError(f"{p} is already one step's checkpoint; drop --step {step}")
-        return _verified(p)
+        return _verified(p, verb=verb)
     root = _checkpoint_root(p)
     if step is not None:
         chosen = step_dir(root, step)
         if not chosen.is_dir():
             raise ExportError(f"{root}: no step {step} (present: {_present(root)})")
-        return _verified(chosen)
+        return _verified(chosen, verb=verb)
     complete = integrity.complete_checkpoints(root)
     if not complete:
         raise ExportError(f"{root}: no complete checkpoint (present: {_present(root)})")
-    return _verified(complete[-1])
+    return _verified(complete[-1], verb=verb)
 
 
 def _missing_file(directory: Path) -> Path | None:
@@ -278,6 +291,62 @@ def placed_tensors(cfg: Any, source: ExportSource, stored: dict) -> Placed:
     return Placed(renamed=renamed, carried=carried)
 
 
+def _carried_stored(cfg: Any, placed: Placed, reader: Any) -> list[str]:
+    """The stored tensors (scales too) of the release `reader` opens that an export copies
+    byte for byte: those of no tensor it writes (the model's name table less the ones the run
+    kept out, `placed.carried`)."""
+    table = spec_of(cfg).release.names.name_table(cfg)
+    written = {rel for ours, e in table.items() if ours not in placed.carried for rel in e.release}
+    logical = set(reader.names())
+
+    def weight_of(stored: str) -> str:
+        scale = next((s for s in SCALE_SUFFIXES if stored.endswith(s)), None)
+        if stored in logical or scale is None:
+            return stored
+        return stored.removesuffix(scale) + ".weight"
+
+    return [n for n in reader.stored_names() if weight_of(n) not in written]
+
+
+def check_carried(source: ExportSource, cfg: Any, placed: Placed) -> None:
+    """What an export of `source` copies from its run's release byte for byte (a vision tower,
+    a drafter the run did not train, the tables it kept out) holds the bytes the run recorded
+    when it started (the records its step carries, else its checkpoint.dir's, as a resume reads
+    them); else one line naming the tensor and `--release`. A step with no record (saved by an
+    older version) is exported with a warning."""
+    release = source.run.model.pretrained
+    if not release:
+        return
+    with spec_of(cfg).release.open(release) as reader:
+        carried = _carried_stored(cfg, placed, reader)
+        if not carried:
+            return
+        recorded = release_reads.records(source.checkpoint.parent, source.checkpoint)
+        if not recorded:
+            log.warning("%s: no record of the release its run started from (a checkpoint of an "
+                        "older version); the %d tensors the export copies from model.pretrained="
+                        "%s are copied unchecked", source.checkpoint, len(carried),
+                        release)  # fmt: skip
+            return
+        found = release_reads.check_stored(reader, recorded, carried, workers=load_workers())
+    changed = found.changed
+    if changed is not None:
+        span = changed.span
+        raise ExportError(
+            f"{release}: tensor '{changed.tensor}' (bytes {span['lo']}-{span['hi']} of "
+            f"{span['shard']}) differs from the release the run started from ({changed.release}, "
+            f"recorded in {changed.record}), and the export copies it byte for byte; name an "
+            "unchanged copy of that release with --release DIR; nothing was written"
+        )
+    if found.unrecorded:
+        log.warning("%s: %d of the %d tensors the export copies from %s have no digest in the "
+                    "run's record (%s, ...; a record of an older version): copied unchecked",
+                    source.checkpoint, len(found.unrecorded), len(carried), release,
+                    found.unrecorded[0])  # fmt: skip
+    log.info("%s: the %d tensors the export copies byte for byte match the release the run "
+             "started from", release, found.compared)  # fmt: skip
+
+
 def _check_names(cfg: Any, stored: dict, checkpoint: Path, placed: Placed) -> None:
     table = spec_of(cfg).release.names.name_table(cfg)
     back = {key: ours for ours, key in placed.renamed.items()}
@@ -348,6 +417,7 @@ def export_checkpoint(
     cfg = model_config_of(source)
     stored = _stored_model_tensors(source.checkpoint)
     placed = placed_tensors(cfg, source, stored)
+    check_carried(source, cfg, placed)
     names = [n for n in spec_of(cfg).release.names.name_table(cfg) if n not in placed.carried]
     groups = _groups(names)
     if source.run.model.lora.rank:  # adapters + buffers: merged into the base as they stream

@@ -15,6 +15,11 @@ every whole tensor that a record of the first start also holds (all of them in t
 the overlap after a change of the parallel layout): one that differs is refused in one line naming
 the tensor, before any step.
 
+An export checks what it copies from the release byte for byte against the same records
+(`check_stored`): every digest they hold of those tensors, whole or of a span a rank read, is
+taken again from the release's bytes (a release reader reads a tensor's span in one positioned
+read: a whole tensor, or a rank's rows of an Engram table, so one read of the span digests alike).
+
 The record is the run's own: its directory is created, and the records are read, without
 following a link planted there, and a record that is not a regular file, or not one this module
 wrote, is refused in one line naming it.
@@ -27,6 +32,9 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -272,3 +280,101 @@ def step_files(root: Path, *, rank: int, world: int, step: Path | None = None) -
         paths = [path for path, _ in _recorded(root, step)]
     return {STEP_RECORD.format(_rank_of(p)): _read_text(p) for p in paths
             if _rank_of(p) % world == rank and os.path.lexists(p)}  # fmt: skip
+
+
+def records(root: Path, step: Path | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """The records of a run's first start, each with its file, as a resume reads them: those
+    its checkpoint `step` carries, else those in `root`/release_reads; empty when there are
+    none (a checkpoint of an older version, or a run from no release)."""
+    return _recorded(root, step)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Changed:
+    """A stored tensor of a release whose bytes are not those a record holds the digest of."""
+
+    tensor: str
+    span: dict[str, Any]
+    """the record's entry: the bytes [lo, hi) of shard digested, and their digest"""
+    record: Path
+    release: str | None
+    """the release the run's first start read, as the record names it"""
+
+
+@dataclass(kw_only=True, frozen=True)
+class StoredCheck:
+    """What `check_stored` found."""
+
+    compared: int
+    """tensors of which the records hold a digest, each taken again"""
+    unrecorded: list[str]
+    """tensors of which no record holds a digest (a record of an older version)"""
+    changed: Changed | None
+    """the first tensor (by name) whose bytes differ; None when every digest matches"""
+
+
+PIECE = 1 << 24  # bytes read at a time while digesting, as `CheckpointReader.carry_into` reads
+
+
+def _span_digest(directory: Path, span: dict[str, Any]) -> str:
+    """The digest of bytes [lo, hi) of `span`'s shard in `directory`, as one read of them
+    digests it (read_record.py); a file that ends before `hi` digests the bytes it has."""
+    fd = os.open(directory / span["shard"], os.O_RDONLY | os.O_CLOEXEC)
+
+    def pieces() -> Iterator[bytes]:
+        at = span["lo"]
+        while at < span["hi"]:
+            data = os.pread(fd, min(PIECE, span["hi"] - at), at)
+            if not data:
+                return
+            at += len(data)
+            yield data
+
+    try:
+        record = ReadRecord()
+        record.carry("", span["shard"], span["lo"], pieces())
+        return record.carried_json()[""]["digest"]
+    finally:
+        os.close(fd)
+
+
+def check_stored(
+    reader: Any,
+    recorded: list[tuple[Path, dict[str, Any]]],
+    names: Iterable[str],
+    *,
+    workers: int = 1,
+) -> StoredCheck:
+    """Compare the stored tensors `names` of the release `reader` opens (a `CheckpointReader`
+    under the names its run recorded) with every digest the records `recorded` hold of them:
+    whole (`carried`: the tensors no rank read) and of each span a rank read. Each distinct span
+    is read once, `workers` at a time; a tensor stored in another shard than recorded differs."""
+    wanted = set(names)
+    spans: dict[tuple[str, str, int, int], list[tuple[Path, dict[str, Any]]]] = {}
+    for path, body in recorded:
+        for key in ("carried", "tensors"):
+            for name, span in body[key].items():
+                if name in wanted:
+                    at = (name, span["shard"], span["lo"], span["hi"])
+                    spans.setdefault(at, []).append((path, span))
+    keys = sorted(spans)
+
+    def digest(key: tuple[str, str, int, int]) -> str | None:
+        name, shard, lo, hi = key
+        if reader.shard_of(name) != shard:
+            return None
+        return _span_digest(Path(reader.directory), {"shard": shard, "lo": lo, "hi": hi})
+
+    changed = None
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="release-digest") as pool:
+        for key, ours in zip(keys, pool.map(digest, keys), strict=True):
+            unlike = [(path, span) for path, span in spans[key] if span["digest"] != ours]
+            if unlike:
+                path, span = unlike[0]
+                bodies = dict(recorded)
+                changed = Changed(tensor=key[0], span=span, record=path,
+                                  release=bodies[path].get("release"))  # fmt: skip
+                pool.shutdown(cancel_futures=True)
+                break
+    seen = {name for name, *_ in keys}
+    return StoredCheck(compared=len(seen), unrecorded=sorted(wanted - seen), changed=changed)
