@@ -341,8 +341,10 @@ def _draft_arguments(parser: argparse.ArgumentParser) -> None:
                         help="for a training run: where the release it started from is now (a "
                         "copy of its model.pretrained, which the export reads)")  # fmt: skip
     parser.add_argument("--data", default=None,
-                        help="held-out conversations (any format `pack` reads), tokenized with "
-                        "the release's tokenizer; default: the run config's data.path")  # fmt: skip
+                        help="conversations (any format `pack` reads), tokenized with the "
+                        "release's tokenizer; default for a training run: its held-out rows "
+                        "(data.eval_path, else its data.eval_fraction split of data.path, in its "
+                        "chat format), for a release: the default config's data.path")  # fmt: skip
     parser.add_argument("--prompt-ids", default=None, metavar="JSONL",
                         help="prompts already tokenized: one JSON list of token ids per line "
                         "(instead of --data)")  # fmt: skip
@@ -394,6 +396,18 @@ def _prompt_ids(path: Path, count: int) -> list[list[int]]:
     return out
 
 
+def _held_out(model: str, run: Any) -> Any:
+    """What a training run's evaluation packs (data.eval_path, or the data.eval_fraction split
+    of data.path), in its tokenizer and chat format; refused when the run held out no row."""
+    from primus_v4.config.resolve import pack_spec
+    from primus_v4.errors import ConfigError
+
+    if not run.data.eval_path and not run.data.eval_fraction:
+        raise ConfigError(f"--model {model}: the run held out no rows (data.eval_fraction is 0 "
+                          "and data.eval_path is unset): pass --data or --prompt-ids")  # fmt: skip
+    return pack_spec(run, split="eval")
+
+
 def _draft_run(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -405,12 +419,15 @@ def _draft_run(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise ConfigError("--num-prompts and --max-new-tokens must be >= 1")
+    held_out = None  # a training run's held-out rows, as its evaluation packs them
     with tempfile.TemporaryDirectory(prefix="primus-v4-draft-") as tmp:
         release = Path(args.model)
         if not (release / "config.json").is_file():  # a training run: export it as released
             from primus_v4.export.run import export_checkpoint, find_source, with_release
 
             source = with_release(find_source(args.model), args.release)
+            if args.data is None and args.prompt_ids is None:
+                held_out = _held_out(args.model, source.run)
             release = Path(tmp) / "release"
             export_checkpoint(source, release, dtype="fp8")
         elif args.release is not None:
@@ -428,19 +445,24 @@ def _draft_run(args: argparse.Namespace) -> int:
         else:
             items = [f"model.pretrained={release}", "data.eval_fraction=0"]
             items += [f"data.path={args.data}"] if args.data else []
-            corpus = build_or_load(pack_spec(load_config(overrides=items)))
+            corpus = build_or_load(held_out or pack_spec(load_config(overrides=items)))
             prompts = _prompts(corpus, args.num_prompts)
             if not prompts:
-                raise ConfigError(f"--data {args.data}: no sample with a supervised response")
+                what = "its held-out rows" if held_out else f"--data {args.data}"
+                raise ConfigError(f"{what}: no sample with a supervised response")
         report = spec.speculate(release, prompts, max_new_tokens=args.max_new_tokens,
                                 progress=sys.stderr.isatty())  # fmt: skip
-    numbers = {"model": str(args.model), **report.as_dict()}
+    source = (f"--prompt-ids {args.prompt_ids}" if args.prompt_ids else
+              f"--data {args.data}" if args.data else
+              f"the run's held-out rows of {held_out.data}" if held_out else
+              "the default data.path")  # fmt: skip
+    numbers = {"model": str(args.model), "prompts_from": source, **report.as_dict()}
     if args.json:
         print(json.dumps(numbers))
         return 0
     n, new, block = numbers["prompts"], numbers["max_new_tokens"], numbers["block_size"]
-    print(f"{args.model}: greedy speculative decoding of {n} prompts, {new} new tokens each, "
-          f"blocks of {block}")  # fmt: skip
+    print(f"{args.model}: greedy speculative decoding of {n} prompts ({source}), {new} new "
+          f"tokens each, blocks of {block}")  # fmt: skip
     print(f"  mean accepted draft tokens per block  {numbers['mean_accepted']:.3f}")
     print(f"  tokens per backbone pass              {numbers['tokens_per_block']:.3f}")
     print(f"  draft share of generated tokens       {numbers['draft_share']:.3f}")

@@ -4,8 +4,10 @@ tower."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -16,6 +18,7 @@ from primus_v4.data.packed_corpus import layout, to_thd_batch
 from primus_v4.data.thd import ThdBatch
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures/dsv41_vision_golden"
+TINY_IMAGE_RUN = Path(__file__).resolve().parents[2] / "examples/images/make_tiny_image_run.py"
 RELEASE = GOLDEN / "checkpoint"
 SEQ = 256
 ROWS = [["doc0", "doc2"], ["doc1", "text"]]  # 154 and 213 tokens, 19 and 41 in image spans
@@ -74,3 +77,12 @@ def image_run(tmp: Path, *extra: str, world: int = 1):
         "train.global_batch_size=2", "model.dtype=float32", *extra,
     ]  # fmt: skip
     return resolve_run(load_config(overrides=items), world=world)
+
+
+def tiny_image_script() -> ModuleType:
+    """examples/images/make_tiny_image_run.py as a module (its `write_release`, `main`)."""
+    spec = importlib.util.spec_from_file_location("make_tiny_image_run", TINY_IMAGE_RUN)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script

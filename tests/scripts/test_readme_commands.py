@@ -172,6 +172,55 @@ def test_lora_section_commands_run(tmp_path: Path, capsys: pytest.CaptureFixture
     assert all(REPO / e.run == run_dirs[0] for e in exports)  # the 4k run
 
 
+DRAFTER = ("README.md", "The V4.1 drafter")
+
+
+def _accepted(out: str) -> float:
+    """The mean accepted draft tokens per block `inspect draft` printed."""
+    [value] = re.findall(r"mean accepted draft tokens per block\s+([0-9.]+)", out)
+    return float(value)
+
+
+def test_drafter_refresh_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README.md, the V4.1 drafter: its commands run for real, in order, from a copy of the
+    repository's examples: the tiny V4.1 trains with its drafter (joint), its drafter is measured
+    on the run's held-out conversations, the run exports as a release, the drafter alone trains
+    from that export (the backbone frozen) and is measured on the same held-out
+    conversations."""
+    import shutil
+
+    commands = _commands(*DRAFTER)
+    kinds = [" ".join(c[:3]) if c[1] == "inspect" else " ".join(c[:2]) for c in commands]
+    assert kinds == ["primus-v4 train", "primus-v4 inspect draft", "primus-v4 export",
+                     "primus-v4 train", "primus-v4 inspect draft"], kinds  # fmt: skip
+    work = tmp_path / "repo"
+    shutil.copytree(REPO / "examples", work / "examples")
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("PRIMUS_PACK_CACHE_DIR", str(tmp_path / "packs"))
+    monkeypatch.setenv("PRIMUS_PACK_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.delenv("PRIMUS_OUTPUT_DIR", raising=False)
+    accepted = []
+    for words in commands:
+        capsys.readouterr()
+        code = main(words[1:])
+        out, err = capsys.readouterr()
+        assert code == 0, f"`{shlex.join(words)}`: {err[-2000:]}"
+        if words[1] == "inspect":
+            assert "6 prompts (the run's held-out rows of examples/data/chat_demo.jsonl)" in out
+            accepted.append(_accepted(out))
+    export = work / "outputs" / "v41_draft_export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v41" and config["text_config"]["dspark_block_size"]
+    refresh = work / "outputs" / "v41_draft_refresh"
+    rows = [json.loads(line) for line in (refresh / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and all(r["draft_loss"] is not None for r in rows)
+    assert all(0.0 <= a <= 5.0 for a in accepted), accepted
+    print(f"accepted draft tokens per block of 5: joint run {accepted[0]:.3f}, "
+          f"refreshed {accepted[1]:.3f}")  # fmt: skip
+
+
 # Every command of every ```bash block in both READMEs is run by a test of this file (train as
 # --dry-run, a recipe as DRY_RUN=1, pack on the demo corpora, export against the run dir its
 # recipe writes), or is one of these, which need what a test machine does not have.
@@ -220,17 +269,24 @@ def _not_run(words: list[str]) -> str | None:
 
 def test_every_readme_command_is_run_by_a_test() -> None:
     runs = {"primus-v4 train", "primus-v4 pack", "primus-v4 export", "python benchmarks/"}
+    drafter = [("README.md", words) for words in _commands(*DRAFTER)]  # run for real above
     for readme, words in _all_commands():
         line = " ".join(words)
-        covered = _launch(words) or _not_run(words) or any(line.startswith(r) for r in runs)
+        covered = (_launch(words) or _not_run(words) or (readme, words) in drafter
+                   or any(line.startswith(r) for r in runs))  # fmt: skip
         assert covered, f"{readme}: `{line}` is run by no test; run it in this file"
 
 
 def _train_commands() -> list[tuple[str, list[str]]]:
+    """Every `primus-v4 train` of both READMEs but the drafter path's (run for real above: its
+    refresh trains from the export its earlier command writes)."""
+    drafter = [("README.md", words) for words in _commands(*DRAFTER)]
     return [
         (readme, words[words.index("primus-v4") + 1 :])
         for readme, words in _all_commands()
-        if "primus-v4" in words and words[words.index("primus-v4") + 1 :][:1] == ["train"]
+        if "primus-v4" in words
+        and words[words.index("primus-v4") + 1 :][:1] == ["train"]
+        and (readme, words) not in drafter
     ]
 
 

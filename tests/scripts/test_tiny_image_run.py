@@ -6,18 +6,16 @@ byte the release's (the tower is frozen) and the text model the trained one; wit
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from image_corpus import tiny_image_script
 from safetensors import safe_open
 from threads import one_thread  # noqa: F401 (the fixture)
 
 from primus_v4.cli import main
-
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "images" / "make_tiny_image_run.py"
 
 
 def _tensors(release: Path, prefix: tuple[str, ...]) -> dict[str, bytes]:
@@ -32,10 +30,7 @@ def _tensors(release: Path, prefix: tuple[str, ...]) -> dict[str, bytes]:
 
 @pytest.mark.usefixtures("one_thread")
 def test_the_tiny_image_run_trains_and_exports(tmp_path: Path, monkeypatch) -> None:
-    spec = importlib.util.spec_from_file_location("make_tiny_image_run", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = tiny_image_script()
     out = tmp_path / "tiny"
     assert script.main([str(out)]) == 0
     assert len(list((out / "pictures").glob("*.png"))) == 12

@@ -9,7 +9,6 @@ the command (`cannot export`, `cannot evaluate`)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import shutil
@@ -17,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from image_corpus import tiny_image_script
 from train_fakes import FakeCorpus
 
 from primus_v4.cli import main
@@ -27,7 +27,6 @@ from primus_v4.training.checkpoint.release_reads import STEP_RECORD
 from primus_v4.training.checkpoint.store import step_dir
 from primus_v4.training.trainer import Trainer
 
-IMAGE_RUN = Path(__file__).resolve().parents[3] / "examples/images/make_tiny_image_run.py"
 SEQ = 64
 RECORD = STEP_RECORD.format(0)
 UNREAD = "vision.blocks.1.mlp.w1.weight"  # a text-only run never reads the vision tower
@@ -38,10 +37,7 @@ READ = "layers.0.ffn.gate.bias_vl"  # read by the run (the routers' image bias),
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One step of a text-only run from the tiny image release (examples/images), checkpointed:
     its output dir, beside `release` (the release) and `ckpt` (its checkpoint.dir)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_image_run", IMAGE_RUN)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = tiny_image_script()
     tmp = tmp_path_factory.mktemp("carried")
     script.write_release(tmp / "release")
     # fused_linear_ce=false: the CPU step takes ~1 s instead of ~10 s

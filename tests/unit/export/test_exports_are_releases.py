@@ -8,7 +8,6 @@ whose run's release is gone stops naming the missing file and `--release`."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
@@ -16,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from image_corpus import tiny_image_script
 from safetensors import safe_open
 from train_fakes import FakeCorpus
 
 from primus_v4.checkpoint_formats.fp8_fp4 import dequantize, quantize
 from primus_v4.cli import main
 from primus_v4.config import load_config, resolve_run
-from primus_v4.errors import CheckpointFormatError, UsageError
+from primus_v4.errors import CheckpointFormatError, ExitCode, UsageError
 from primus_v4.export.run import (
     export_checkpoint,
     find_source,
@@ -37,7 +37,6 @@ from primus_v4.training.trainer import Trainer
 REPO = Path(__file__).resolve().parents[3]
 # DeepSeek-V4.1-Flash's config.json as published, key for key (the DSpark golden set keeps it)
 V41_PUBLISHED = REPO / "tests/fixtures/dsv41_dspark_golden/checkpoint/config.json"
-IMAGE_RUN = REPO / "examples/images/make_tiny_image_run.py"
 # DeepSeek-V4-Flash's config.json as published: its keys (`transformers_version` records the
 # library that wrote a file, which an export is not)
 V4_PUBLISHED = {
@@ -106,10 +105,7 @@ def preset(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, to
 def image(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A run from the tiny release with a vision tower of examples/images (its config.json has
     no quantization_config), the tower frozen: its fp8 export."""
-    spec = importlib.util.spec_from_file_location("make_tiny_image_run", IMAGE_RUN)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = tiny_image_script()
     tmp = tmp_path_factory.mktemp("image")
     script.write_release(tmp / "release")
     _trainer(tmp, "model.preset=null", f"model.pretrained={tmp / 'release'}",
@@ -319,6 +315,15 @@ def test_inspect_draft_measures_a_preset_runs_drafter(preset, tmp_path: Path, ca
     assert code == 0, captured.err
     got = json.loads(captured.out.splitlines()[-1])
     assert got["prompts"] == 2 and got["block_size"] == 5 and got["blocks"] >= 2
+    assert got["prompts_from"] == f"--prompt-ids {prompts}"
+    # no prompts named: the run's held-out rows, and this run held none out
+    code = main(["inspect", "draft", "--model", str(exports["fp8"].parent / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == ExitCode.CONFIG and len(err.splitlines()) == 1, err
+    assert (
+        "the run held out no rows (data.eval_fraction is 0 and data.eval_path is unset): pass "
+        "--data or --prompt-ids" in err
+    )
 
 
 def test_an_export_whose_release_is_gone_names_it_and_the_option(

@@ -9,7 +9,6 @@ not a regular file) is refused in one line naming it, a FIFO without blocking.""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from image_corpus import GoldenImageCorpus, image_run
+from image_corpus import GoldenImageCorpus, image_run, tiny_image_script
 from safetensors.torch import save_file
 from threads import one_thread  # noqa: F401 (the fixture)
 
@@ -31,7 +30,6 @@ from primus_v4.training.checkpoint import release_reads
 from primus_v4.training.checkpoint.store import LATEST, step_dir
 from primus_v4.training.trainer import Trainer
 
-SCRIPT = Path(__file__).resolve().parents[3] / "examples" / "images" / "make_tiny_image_run.py"
 PARTS = ("text", "drafter", "encoder", "aligner")
 
 
@@ -50,10 +48,7 @@ def _by_part(names: set[str]) -> dict[str, set[str]]:
 def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """examples/images' tiny release (text model, vision tower, aligner, span vectors), its
     model drawn with the DSpark drafter, so the release holds its three stages (`mtp.*`) too."""
-    spec = importlib.util.spec_from_file_location("make_tiny_image_run", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = tiny_image_script()
     out = tmp_path_factory.mktemp("tiny") / "release"
     assert v41_spec.SPEC.build is v41_model.DeepseekV41Model  # its modules bound it already
     with pytest.MonkeyPatch.context() as patch:
