@@ -4,14 +4,19 @@ adapters, a drafter alone) and one whose rows hold pictures load as a resume loa
 refusal is one line with its exit status, and evaluating writes nothing into the run's dirs.
 
 The run: the tiny DeepSeek-V4 preset on the synthetic corpus packed into 256-token rows, 4 steps
-with a quarter of the rows held out, evaluated and checkpointed every 2 steps."""
+with a quarter of the rows held out, evaluated and checkpointed every 2 steps. It and its newest
+checkpoint's evaluation are made once per session, shared by the pytest-xdist workers (no test
+writes into the run's dirs: one asserts that evaluating writes nothing there)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +39,80 @@ def _sets(*items: str) -> list[str]:
     return [arg for item in items for arg in ("--set", item)]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("eval_run")
+def _trained_run(tmp: Path, kind: str) -> tuple[Any, Any, Any]:
+    """The resolved run of `kind`, its training corpus and a fresh copy of its evaluation one."""
+    from primus_v4.config import load_config, resolve_run
+
+    ck = ("checkpoint.interval=2", f"checkpoint.dir={tmp / 'ck'}", "train.steps=2",
+          "train.warmup_steps=1", "train.eval_interval=1")  # fmt: skip
+    fakes = (FakeCorpus(RAGGED_PACKS), lambda: FakeCorpus(EVAL_PACKS, seed=7))
+    if kind == "lora":
+        return tiny_run(tmp, *LORA, *ck), *fakes
+    if kind == "images":
+        run = image_run(tmp, *ck, "train.global_batch_size=1")
+        return run, GoldenImageCorpus(), GoldenImageCorpus
+    items = [
+        "model.preset=null", f"model.pretrained={V41}", f"data.seq_length={SEQ}",
+        f"output.dir={tmp / 'run'}", "output.progress_bar=false", "train.shuffle=false",
+        "train.global_batch_size=1", "model.draft.train=only", "model.draft.anchor_rate=0.5", *ck,
+    ]  # fmt: skip
+    return resolve_run(load_config(overrides=items), world=1), *fakes
+
+
+# First in the module: these need no `run`, so the xdist worker handed them is busy while the
+# other one trains it (the second half of the module, handed on, waits for it less or not at all).
+@pytest.mark.parametrize("kind", ["lora", "drafter_only", "images"])
+def test_a_checkpoint_loads_as_a_resume_loads_it(tmp_path: Path, kind: str) -> None:
+    """A LoRA checkpoint holds the adapters, a drafter-only one the drafter: the rest is built
+    again (drawn from the seed, read from the release) before the step's part is loaded; rows
+    with pictures read the release's image encoder as training did."""
+    from primus_v4.training.trainer import Trainer
+
+    resolved, corpus, eval_corpus = _trained_run(tmp_path, kind)
+    row = Trainer(resolved, corpus=corpus, eval_corpus=eval_corpus()).train().rows[-1]
+    evaluating = Trainer(resolved, eval_corpus=eval_corpus(), evaluate_only=True)
+    assert evaluating.optimizer is None and evaluating.checkpoints is None
+    untrained = evaluating.evaluator.run(evaluating)
+    assert evaluating.load_weights(step_dir(tmp_path / "ck", 2)) == 2
+    got = evaluating.evaluator.run(evaluating)
+    print(f"{kind}: eval {got}, logged {row.eval_loss!r}")
+    assert got == {key: getattr(row, key) for key in got}
+    assert got != untrained
+    assert ("eval_draft_loss" in got) == (kind == "drafter_only")
+
+
+def _shared(factory: pytest.TempPathFactory, name: str, make: Callable[[], str]) -> str:
+    """`make()`, made once per session: the first pytest-xdist worker to ask makes it under a
+    lock in the session's temp dir, the others wait for it and read it there."""
+    base = factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    made = root / f"{name}.made"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not made.exists():
+            made.write_text(make())
+        return made.read_text()
+
+
+def _train(tmp: Path) -> str:
     out = tmp / "run"
     items = [
-        "data.path=synthetic:rows=40", "data.seq_length=256", "data.eval_fraction=0.25",
+        # 20 rows: 5 held out (3 packs of several samples), each evaluation a few forwards
+        "data.path=synthetic:rows=20", "data.seq_length=256", "data.eval_fraction=0.25",
         f"data.cache_dir={tmp / 'cache'}", f"data.lock_dir={tmp / 'locks'}",
         "train.steps=4", "train.warmup_steps=1", "train.eval_interval=2",
         f"checkpoint.dir={out / 'ck'}", "checkpoint.interval=2",
         f"output.dir={out}", "output.progress_bar=false", "output.plot=false",
     ]  # fmt: skip
     assert main(["train", *_sets(*items)]) == 0
-    return out
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(
+        _shared(tmp_path_factory, "eval_run", lambda: _train(tmp_path_factory.mktemp("eval_run")))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +128,18 @@ def _eval(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def newest(run: Path) -> dict[str, Any]:
-    """`eval --run` of the newest checkpoint (step 4, the last), its stdout read here (capsys
-    is one test's)."""
+def _newest(run: Path) -> str:
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         assert main(["eval", "--run", str(run), "--json"]) == 0
-    return json.loads(buffer.getvalue().strip().splitlines()[-1])
+    return buffer.getvalue().strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def newest(run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """`eval --run` of the newest checkpoint (step 4, the last), its stdout read here (capsys
+    is one test's)."""
+    return json.loads(_shared(tmp_path_factory, "eval_newest", lambda: _newest(run)))
 
 
 def test_a_steps_evaluation_is_the_one_its_run_logged(
@@ -86,7 +156,7 @@ def test_a_steps_evaluation_is_the_one_its_run_logged(
         assert got["eval_loss"] == logged[step]["eval_loss"]
         assert got["eval_mtp_loss"] == logged[step]["eval_mtp_loss"]
     assert second["eval_loss"] != newest["eval_loss"]  # two steps' weights, not one
-    assert newest["data"] == "synthetic:rows=40 (held-out 0.25 of its rows)"
+    assert newest["data"] == "synthetic:rows=20 (held-out 0.25 of its rows)"
     assert newest["tokens"] == 256 * newest["rows"] > newest["supervised_tokens"] > 0
     assert newest["samples"] >= newest["rows"] > 0 and newest["tokens_per_s"] > 0
     assert not any(k.startswith("eval_draft") for k in newest)  # no drafter in the tiny model
@@ -163,51 +233,11 @@ def test_eval_writes_nothing_into_the_runs_dirs_and_data_is_the_whole_corpus(
 ) -> None:
     before = _listing(run)
     assert _eval(capsys, "--run", str(run / "ck"), "--step", "2")["step"] == 2
-    got = _eval(capsys, "--run", str(run), "--data", "synthetic:rows=8")
-    assert got["data"] == "synthetic:rows=8" and got["samples"] == 8
+    got = _eval(capsys, "--run", str(run), "--data", "synthetic:rows=4")
+    assert got["data"] == "synthetic:rows=4" and got["samples"] == 4
     capsys.readouterr()
-    assert main(["eval", "--run", str(run), *_sets("data.path=synthetic:rows=8")]) == 0
+    assert main(["eval", "--run", str(run), *_sets("data.path=synthetic:rows=4")]) == 0
     table = capsys.readouterr().out
     assert f"evaluation of {step_dir(run / 'ck', 4)}" in table
-    assert "synthetic:rows=8" in table and f"{got['eval_loss']:,.4f}" in table
+    assert "synthetic:rows=4" in table and f"{got['eval_loss']:,.4f}" in table
     assert _listing(run) == before
-
-
-def _trained_run(tmp: Path, kind: str) -> tuple[Any, Any, Any]:
-    """The resolved run of `kind`, its training corpus and a fresh copy of its evaluation one."""
-    from primus_v4.config import load_config, resolve_run
-
-    ck = ("checkpoint.interval=2", f"checkpoint.dir={tmp / 'ck'}", "train.steps=2",
-          "train.warmup_steps=1", "train.eval_interval=1")  # fmt: skip
-    fakes = (FakeCorpus(RAGGED_PACKS), lambda: FakeCorpus(EVAL_PACKS, seed=7))
-    if kind == "lora":
-        return tiny_run(tmp, *LORA, *ck), *fakes
-    if kind == "images":
-        run = image_run(tmp, *ck, "train.global_batch_size=1")
-        return run, GoldenImageCorpus(), GoldenImageCorpus
-    items = [
-        "model.preset=null", f"model.pretrained={V41}", f"data.seq_length={SEQ}",
-        f"output.dir={tmp / 'run'}", "output.progress_bar=false", "train.shuffle=false",
-        "train.global_batch_size=1", "model.draft.train=only", "model.draft.anchor_rate=0.5", *ck,
-    ]  # fmt: skip
-    return resolve_run(load_config(overrides=items), world=1), *fakes
-
-
-@pytest.mark.parametrize("kind", ["lora", "drafter_only", "images"])
-def test_a_checkpoint_loads_as_a_resume_loads_it(tmp_path: Path, kind: str) -> None:
-    """A LoRA checkpoint holds the adapters, a drafter-only one the drafter: the rest is built
-    again (drawn from the seed, read from the release) before the step's part is loaded; rows
-    with pictures read the release's image encoder as training did."""
-    from primus_v4.training.trainer import Trainer
-
-    resolved, corpus, eval_corpus = _trained_run(tmp_path, kind)
-    row = Trainer(resolved, corpus=corpus, eval_corpus=eval_corpus()).train().rows[-1]
-    evaluating = Trainer(resolved, eval_corpus=eval_corpus(), evaluate_only=True)
-    assert evaluating.optimizer is None and evaluating.checkpoints is None
-    untrained = evaluating.evaluator.run(evaluating)
-    assert evaluating.load_weights(step_dir(tmp_path / "ck", 2)) == 2
-    got = evaluating.evaluator.run(evaluating)
-    print(f"{kind}: eval {got}, logged {row.eval_loss!r}")
-    assert got == {key: getattr(row, key) for key in got}
-    assert got != untrained
-    assert ("eval_draft_loss" in got) == (kind == "drafter_only")
