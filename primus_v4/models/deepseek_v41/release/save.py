@@ -8,12 +8,17 @@ them) as a release directory at `out`, atomically (a temp directory renamed into
   source's keeps the source's bytes (requantize.py: the block scale is not always recoverable
   from decoded values), so an unchanged release is written back bit for bit;
 - `dtype="bfloat16"`: the quantized kinds as bf16, the rest as stored.
+The source may be one of our bf16 exports (`write_release`), which stores the quantized kinds
+as bf16 (but the Engram tables its run held frozen: FP8 rows): a tensor it stores bf16 has no
+bytes to keep, so for fp8 it is quantized afresh by its kind, as `write_release` does.
 Each tensor must be one the source stores, of the source's shape; every text tensor of the
 source must be given. The source's tensors that are not the text model (`tensors.not_text`:
 vision tower, `aligner.*`, `image_*`, DSpark `mtp.*`, `bias_vl`) and were not given are copied
 byte for byte (carried.py) and named in one log line, as are the text tensors named in `keep`
 (the frozen Engram tables of a run that placed them: the release's FP8 rows and scales, in a
-bf16 export too); any other source tensor left out is an error. config.json is the one made
+bf16 export too); any other source tensor left out is an error. Of those, a quantized kind the
+source stores bf16 is, in an fp8 export, read and quantized afresh instead (so the shards hold
+what config.json declares) and named in a log line of its own. config.json is the one made
 from the source's (an export's: `config_json.release_config`), else the source's, with the
 release's `quantization_config` (FP8 32 x 32 blocks, FP4 experts) for fp8 and none for bf16;
 the tokenizer files are copied.
@@ -76,6 +81,30 @@ def _stored_names(reader: CheckpointReader, name: str) -> list[str]:
     return [name, *scales]
 
 
+def _check_source(reader: CheckpointReader, name: str) -> None:
+    """Raise naming `name` unless the source stores it as the release layout does or, a
+    quantized kind, as bf16 (a bf16 export's)."""
+    kind = kind_of(name)
+    if kind not in FORMATS or reader.storage(name) != "bf16":
+        check_stored(reader, name, kind)
+
+
+def _quantized_kind(name: str) -> str | None:
+    """The quantized kind (FORMATS) of the release tensor `name`; None for another kind or a
+    name outside the text model's table (a vision tower's)."""
+    try:
+        kind = kind_of(name)
+    except CheckpointFormatError:
+        return None
+    return kind if kind in FORMATS else None
+
+
+def _recoded(reader: CheckpointReader, name: str, dtype: ExportDtype) -> bool:
+    """Whether the source's tensor `name`, not given, is re-encoded rather than copied: a
+    quantized kind the source stores bf16, in an fp8 export."""
+    return dtype == "fp8" and _quantized_kind(name) is not None and reader.storage(name) == "bf16"
+
+
 def _checked(reader: CheckpointReader, pieces: Iterable[Tensors], given: set[str]) -> Iterator:
     """(name, tensor) of every piece, each checked against the source as it streams past."""
     known = set(reader.names())
@@ -91,7 +120,7 @@ def _checked(reader: CheckpointReader, pieces: Iterable[Tensors], given: set[str
                 )
             if name in given:
                 raise CheckpointFormatError(f"'{name}' given twice to save_release")
-            check_stored(reader, name, kind_of(name))
+            _check_source(reader, name)
             given.add(name)
             yield name, tensor
 
@@ -124,16 +153,61 @@ def _check_complete(reader: CheckpointReader, given: set[str]) -> list[str]:
     return left
 
 
+def _left(reader: CheckpointReader, given: set[str], keep: set[str]) -> list[str]:
+    """The source's tensors not given (all of them outside the text model or in `keep`, else
+    an error)."""
+    return _check_complete(reader, given | keep) + sorted(keep - given)
+
+
+def _with_recoded(
+    reader: CheckpointReader,
+    checked: Iterator[tuple[str, torch.Tensor]],
+    given: set[str],
+    keep: set[str],
+    dtype: ExportDtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checked given tensors, then the source's tensors left that are re-encoded
+    (`_recoded`), each read decoded in float32."""
+    yield from checked
+    recoded = [n for n in _left(reader, given, keep) if _recoded(reader, n, dtype)]
+    if recoded:
+        log.info("%s: stored bf16, not given, quantized afresh for the fp8 export: %s",
+                 reader.directory, parts_summary(recoded))  # fmt: skip
+    for name in recoded:
+        yield name, reader.read(name, torch.float32)
+
+
+def _given_only(
+    progress: Callable[[int], None] | None, given: set[str]
+) -> Callable[[int], None] | None:
+    """`progress` ticked for the given tensors alone (the total its caller counts), not for
+    the re-encoded ones written after them: a tensor is written after it is streamed, so the
+    k-th write is a given one exactly while k <= len(given)."""
+    if progress is None:
+        return None
+    written = 0
+
+    def tick(n: int) -> None:
+        nonlocal written
+        written += n
+        if written <= len(given):
+            progress(n)
+
+    return tick
+
+
 def _carry(
-    reader: CheckpointReader, given: set[str], carried: list[str], keep: set[str]
+    reader: CheckpointReader,
+    given: set[str],
+    carried: list[str],
+    keep: set[str],
+    dtype: ExportDtype,
 ) -> Callable[[Path], dict[str, str]]:
     """The writer's `carry` hook: once every given tensor is written, the source's tensors
-    left are copied as stored (all of them outside the text model or in `keep`, else an
-    error)."""
+    left are copied as stored, less those re-encoded (`_recoded`)."""
 
     def carry(tmp: Path) -> dict[str, str]:
-        left = _check_complete(reader, given | keep)
-        left += sorted(keep - given)
+        left = [n for n in _left(reader, given, keep) if not _recoded(reader, n, dtype)]
         carried.extend(s for n in left for s in _stored_names(reader, n))
         if not carried:
             return {}
@@ -181,20 +255,22 @@ def save_release(
 
         def storage(name: str) -> str | Callable:
             kind = kind_of(name)
-            if kind in FORMATS:
-                return encode if dtype == "fp8" else "fp8"  # bfloat16: quantized kinds as bf16
-            return kind
+            if kind not in FORMATS:
+                return kind
+            if dtype != "fp8":
+                return "fp8"  # bfloat16: the quantized kinds as bf16
+            return _quantized if reader.storage(name) == "bf16" else encode  # no bytes to keep
 
         summary = write_checkpoint(
             out,
-            _checked(reader, pieces, given),
+            _with_recoded(reader, _checked(reader, pieces, given), given, keep, dtype),
             storage,
             _declared(reader.config if config is None else config(given=reader.config)),
             dtype=dtype,
             max_shard_bytes=max_shard_bytes,
             extra_files=tokenizer_files(reader.directory),
-            progress=progress,
-            carry=_carry(reader, given, carried, keep),
+            progress=_given_only(progress, given),
+            carry=_carry(reader, given, carried, keep, dtype),
         )
     return ReleaseExport(summary=summary, carried=carried)
 
