@@ -11,18 +11,16 @@ writes into the run's dirs: one asserts that evaluating writes nothing there).""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import json
-import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from image_corpus import GoldenImageCorpus, image_run
 from lora_runs import LORA
+from shared_once import _shared
 from train_fakes import RAGGED_PACKS, SEQ, FakeCorpus, tiny_run
 
 from primus_v4.cli import main
@@ -79,19 +77,6 @@ def test_a_checkpoint_loads_as_a_resume_loads_it(tmp_path: Path, kind: str) -> N
     assert got == {key: getattr(row, key) for key in got}
     assert got != untrained
     assert ("eval_draft_loss" in got) == (kind == "drafter_only")
-
-
-def _shared(factory: pytest.TempPathFactory, name: str, make: Callable[[], str]) -> str:
-    """`make()`, made once per session: the first pytest-xdist worker to ask makes it under a
-    lock in the session's temp dir, the others wait for it and read it there."""
-    base = factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    made = root / f"{name}.made"
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not made.exists():
-            made.write_text(make())
-        return made.read_text()
 
 
 def _train(tmp: Path) -> str:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from image_corpus import GoldenImageCorpus, image_run, tiny_image_script
 from safetensors.torch import save_file
+from shared_once import _shared
 from threads import one_thread  # noqa: F401 (the fixture)
 
 from primus_v4.checkpoint_formats.read_record import ReadRecord, recording_reads
@@ -48,14 +49,18 @@ def _by_part(names: set[str]) -> dict[str, set[str]]:
 def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """examples/images' tiny release (text model, vision tower, aligner, span vectors), its
     model drawn with the DSpark drafter, so the release holds its three stages (`mtp.*`) too."""
-    script = tiny_image_script()
-    out = tmp_path_factory.mktemp("tiny") / "release"
     assert v41_spec.SPEC.build is v41_model.DeepseekV41Model  # its modules bound it already
-    with pytest.MonkeyPatch.context() as patch:
-        drafter = functools.partial(v41_model.DeepseekV41Model, drafter=True)
-        patch.setattr(v41_model, "DeepseekV41Model", drafter)
-        script.write_release(out)
-    return out
+
+    def make() -> str:
+        script = tiny_image_script()
+        out = tmp_path_factory.mktemp("tiny") / "release"
+        with pytest.MonkeyPatch.context() as patch:
+            drafter = functools.partial(v41_model.DeepseekV41Model, drafter=True)
+            patch.setattr(v41_model, "DeepseekV41Model", drafter)
+            script.write_release(out)
+        return str(out)
+
+    return Path(_shared(tmp_path_factory, "release_record_release", make))
 
 
 def _stored(release: Path) -> set[str]:
@@ -63,26 +68,33 @@ def _stored(release: Path) -> set[str]:
 
 
 def _run(tmp: Path, release: Path, steps: int = 1):
+    # fused_linear_ce=false: the CPU step takes ~1 s instead of ~10 s (no test here reads a loss)
     return image_run(tmp, f"model.pretrained={release}", f"train.steps={steps}",
-                     f"checkpoint.dir={tmp / 'run' / 'ckpt'}", "checkpoint.interval=1")  # fmt: skip
+                     f"checkpoint.dir={tmp / 'run' / 'ckpt'}", "checkpoint.interval=1",
+                     "model.fused_linear_ce=false")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def first(release: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, set[str]]:
     """A one-step run with pictures from `release` (its checkpoint dir under run/ckpt) and the
     stored tensors it read (every CheckpointReader read of the release, seen below the record)."""
-    tmp, read = tmp_path_factory.mktemp("first"), set()
-    pread = CheckpointReader._pread
 
-    def seen(reader: CheckpointReader, stored, into, start: int = 0) -> None:
-        if reader.directory == release:
-            read.add(reader._name_at[stored.shard, stored.offset])
-        pread(reader, stored, into, start)
+    def make() -> str:
+        tmp, read = tmp_path_factory.mktemp("first"), set()
+        pread = CheckpointReader._pread
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(CheckpointReader, "_pread", seen)
-        Trainer(_run(tmp, release), corpus=GoldenImageCorpus()).train()
-    return tmp / "run" / "ckpt", read
+        def seen(reader: CheckpointReader, stored, into, start: int = 0) -> None:
+            if reader.directory == release:
+                read.add(reader._name_at[stored.shard, stored.offset])
+            pread(reader, stored, into, start)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(CheckpointReader, "_pread", seen)
+            Trainer(_run(tmp, release), corpus=GoldenImageCorpus()).train()
+        return json.dumps({"ckpt": str(tmp / "run" / "ckpt"), "read": sorted(read)})
+
+    made = json.loads(_shared(tmp_path_factory, "release_record_first", make))
+    return Path(made["ckpt"]), set(made["read"])
 
 
 @pytest.mark.usefixtures("one_thread")
