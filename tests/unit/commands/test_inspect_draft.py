@@ -72,7 +72,8 @@ def test_a_training_run_is_exported_as_released_then_measured(
     assert main(["export", "--run", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
                  "--dtype", "fp8"]) == 0  # fmt: skip
     capsys.readouterr()
-    assert got == {**_direct(tmp_path / "out", prompt_file), "model": str(tmp_path / "ckpt")}
+    source = {"model": str(tmp_path / "ckpt"), "prompts_from": f"--prompt-ids {prompt_file}"}
+    assert got == {**_direct(tmp_path / "out", prompt_file), **source}
 
 
 def test_a_release_without_a_drafter_is_refused(capsys, prompt_file, tmp_path: Path) -> None:
